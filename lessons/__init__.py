@@ -1,0 +1,1 @@
+"""One package per lesson; each holds only what its lesson changes."""

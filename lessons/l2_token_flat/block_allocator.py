@@ -1,0 +1,33 @@
+"""A free list of block IDs. All or nothing: a request either gets every block it asked for, or none."""
+from __future__ import annotations
+
+from collections import deque
+
+from shared.errors import PoolExhausted
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks  # O(1) double-free check
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(needed=n, free=len(self._free), total=self.num_blocks)
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise ValueError(f"block {b} freed twice")  # a bookkeeping bug, not bad input
+        for b in blocks:
+            self._is_free[b] = True
+            self._free.append(b)  # to the back: a just-freed block is reused last, so stale reads show

@@ -1,0 +1,32 @@
+"""A request and the blocks that hold its KV. Token p lives at slot blocks[p // S] * S + p % S."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lessons.l2_token_flat.block_allocator import BlockAllocator
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    block_size: int
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the block table: logical block i -> physical id
+    num_cached: int = 0  # tokens whose K/V are already in the pool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def slot(self, pos: int) -> int:
+        return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Flat pool slots of positions start .. end-1, in position order."""
+        return [self.slot(p) for p in range(start, end)]
+
+    def reserve(self, num_tokens: int, allocator: BlockAllocator) -> None:
+        """Grow the block table to hold `num_tokens` tokens. Raises PoolExhausted with nothing changed."""
+        needed = -(-num_tokens // self.block_size) - len(self.blocks)
+        if needed > 0:
+            self.blocks += allocator.alloc(needed)

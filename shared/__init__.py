@@ -1,0 +1,1 @@
+"""What no lesson changes: the Qwen3 model, its checkpoint and tokenizer, the HF reference and the smoke harness."""

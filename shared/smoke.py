@@ -1,0 +1,170 @@
+"""The harness behind every scripts/lN_smoke.py: run the lesson and its predecessors, check each against HF.
+
+A lesson script supplies only `build_engines(model, args)`: an ordered mapping from a lesson name to a
+function that turns a list of prompts (token IDs) into a list of outputs. The first entry is the
+lesson under test; the others are the earlier lessons it must agree with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from shared.cli import resolve_device, resolve_dtype, resolve_model_dir
+from shared.config import Qwen3Config
+from shared.errors import CourseError
+from shared.generation import StopRule, check_prompt
+from shared.hf_reference import HfOutput, HfReference
+from shared.model import Qwen3ForCausalLM
+from shared.parity import TIE_TOLERANCE, Verdict, compare
+from shared.tiny_qwen3 import default_model_dir
+from shared.tokenizer import load_tokenizer
+
+RunPrompts = Callable[[list[list[int]], StopRule], list[list[int]]]
+BuildEngines = Callable[[Qwen3ForCausalLM, argparse.Namespace], dict[str, RunPrompts]]
+
+
+@dataclass
+class Setup:
+    model_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    config: Qwen3Config
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    stop: StopRule
+
+
+def prepare(args: argparse.Namespace, status: Console) -> Setup:
+    """Everything that can be checked before a model is loaded, so bad input fails fast."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    with status.status("building the embedded tiny Qwen3 (first run only)..."):
+        model_dir = resolve_model_dir(args.model, default_model_dir)
+    config = Qwen3Config.from_dir(model_dir)
+    eos = frozenset(config.eos_token_ids)
+    stop = StopRule(args.max_new_tokens, eos, args.ignore_eos)
+    prompts = args.prompt if args.prompt is not None else args.prompt_defaults
+    tokenizer = load_tokenizer(model_dir)
+    prompt_ids = []
+    for text in prompts:
+        if not text:
+            raise CourseError("empty prompt: --prompt needs some text")
+        ids = tokenizer.encode(text).ids
+        check_prompt(ids, stop, config)
+        prompt_ids.append(ids)
+    return Setup(model_dir, device, dtype, config, prompts, prompt_ids, stop)
+
+
+def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines) -> int:
+    console = Console(stderr=args.json)
+    setup = prepare(args, Console(stderr=True))
+    with console.status("loading weights...") if not args.json else nullcontext():
+        model = Qwen3ForCausalLM.from_dir(setup.model_dir, setup.dtype, setup.device)
+        engines = build_engines(model, args)  # lesson-specific checks (block size, pool) raise here
+    outputs: dict[str, list[list[int]]] = {}
+    seconds: dict[str, float] = {}
+    for name, run in engines.items():
+        t0 = time.perf_counter()
+        outputs[name] = run(setup.prompt_ids, setup.stop)
+        seconds[name] = time.perf_counter() - t0
+    hf = HfReference(setup.model_dir, setup.dtype, setup.device)
+    t0 = time.perf_counter()
+    hf_out = [hf.generate(ids, setup.stop) for ids in setup.prompt_ids]
+    seconds["HF"] = time.perf_counter() - t0
+    verdicts = {name: [compare(o, h, setup.dtype) for o, h in zip(outs, hf_out)] for name, outs in outputs.items()}
+    ok = all(v.ok for vs in verdicts.values() for v in vs)
+    if args.json:
+        print(json.dumps(_as_json(lesson, setup, outputs, hf_out, verdicts, seconds, ok)))
+    else:
+        _report(console, lesson, setup, outputs, hf_out, verdicts, seconds, ok)
+    return 0 if ok else 1
+
+
+def main(lesson: str, parser: argparse.ArgumentParser, build_engines: BuildEngines) -> None:
+    """Parse, run, and turn every CourseError into one line on stderr with exit status 2."""
+    args = parser.parse_args()
+    try:
+        code = run_smoke(lesson, args, build_engines)
+    except CourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code)
+
+
+def _as_json(lesson, setup: Setup, outputs, hf_out: list[HfOutput], verdicts, seconds, ok) -> dict:
+    prompts = []
+    for i, text in enumerate(setup.prompts):
+        entry = {"prompt": text, "prompt_ids": setup.prompt_ids[i], "hf": hf_out[i].tokens}
+        for name in outputs:
+            entry[name] = outputs[name][i]
+            entry[f"{name}_verdict"] = verdicts[name][i].to_json()
+        entry["match"] = all(verdicts[name][i].ok for name in outputs)
+        prompts.append(entry)
+    return {
+        "lesson": lesson,
+        "model": str(setup.model_dir),
+        "device": str(setup.device),
+        "dtype": str(setup.dtype).removeprefix("torch."),
+        "max_new_tokens": setup.stop.max_new_tokens,
+        "ignore_eos": setup.stop.ignore_eos,
+        "prompts": prompts,
+        "seconds": {k: round(v, 4) for k, v in seconds.items()},
+        "match": ok,
+    }
+
+
+def _report(console: Console, lesson, setup: Setup, outputs, hf_out: list[HfOutput], verdicts, seconds, ok) -> None:
+    tokenizer = load_tokenizer(setup.model_dir)
+    names = list(outputs)
+    console.print(
+        f"[bold]{lesson} smoke[/] · model {setup.model_dir} · {setup.device} {str(setup.dtype).removeprefix('torch.')}"
+        f" · max-new-tokens {setup.stop.max_new_tokens}{' · ignore-eos' if setup.stop.ignore_eos else ''}"
+    )
+    for i, text in enumerate(setup.prompts):
+        console.rule(f"prompt {i}: {text!r} ({len(setup.prompt_ids[i])} tokens)")
+        table = Table(show_edge=False, pad_edge=False)
+        table.add_column("pos", justify="right")
+        for col in ["HF", *names]:
+            table.add_column(col, justify="right")
+        hf_tokens = hf_out[i].tokens
+        longest = max(len(hf_tokens), *(len(outputs[n][i]) for n in names))
+        for pos in range(longest):
+            row = [str(pos), _cell(hf_tokens, pos, hf_tokens)]
+            row += [_cell(outputs[n][i], pos, hf_tokens) for n in names]
+            table.add_row(*row)
+        console.print(table)
+        console.print(f"text: {tokenizer.decode(outputs[names[0]][i])!r}")
+        for n in names:
+            console.print(f"{n} vs HF: {_describe(verdicts[n][i], setup.dtype)}")
+    console.rule("timing")
+    for name, s in seconds.items():
+        ratio = "" if name == "HF" else f"  ({seconds['HF'] / s:.2f}x HF's speed)" if s > 0 else ""
+        console.print(f"{name:>4}: {s:7.3f} s{ratio}")
+    console.print("[bold green]PASS[/]: every prompt matches HF" if ok else "[bold red]FAIL[/]: a prompt diverged from HF")
+
+
+def _cell(tokens: list[int], pos: int, reference: list[int]) -> str:
+    if pos >= len(tokens):
+        return "-"
+    same = pos < len(reference) and reference[pos] == tokens[pos]
+    return str(tokens[pos]) if same else f"[bold red]{tokens[pos]}[/]"
+
+
+def _describe(v: Verdict, dtype: torch.dtype) -> str:
+    if v.status == "match":
+        return "[green]identical[/]"
+    margin = "n/a" if v.margin is None else f"{v.margin:.4g}"
+    where = f"first divergence at position {v.position}: ours {v.ours}, HF {v.theirs}, HF top-2 margin {margin}"
+    if v.status == "tie":
+        return f"[yellow]numerical tie[/] ({where} < tolerance {TIE_TOLERANCE[dtype]} for {dtype})"
+    return f"[bold red]MISMATCH[/] {where}"
