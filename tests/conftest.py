@@ -1,0 +1,97 @@
+"""Fixtures every lesson's tests share: the embedded model, our loaded copy, and HF's reference."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.generation import StopRule
+from shared.hf_reference import HfOutput, HfReference
+from shared.model import Qwen3ForCausalLM
+from shared.tiny_qwen3 import default_model_dir, write_tokenizer
+from shared.tokenizer import load_tokenizer
+
+CPU = torch.device("cpu")
+
+# Prompts of different lengths; the last spans many 16-token blocks.
+PROMPTS = [
+    "The capital of France is",
+    "Hello, world!",
+    "a",
+    "Paged attention stores the key/value cache in fixed-size blocks, so memory is allocated on demand "
+    "instead of reserved for the longest possible sequence; a block table maps each request's logical "
+    "positions to physical blocks, exactly as virtual memory maps pages to frames. " * 2,
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p).ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM.from_dir(tiny_dir, torch.float32, CPU)
+
+
+class CachedHf:
+    """HF generate, memoised per (prompt, stop rule): many tests compare against the same reference runs."""
+
+    def __init__(self, model_dir: Path):
+        self.ref = HfReference(model_dir, torch.float32, CPU)
+        self._memo: dict[tuple, HfOutput] = {}
+
+    def generate(self, prompt_ids: list[int], stop: StopRule) -> HfOutput:
+        key = (tuple(prompt_ids), stop)
+        if key not in self._memo:
+            self._memo[key] = self.ref.generate(prompt_ids, stop)
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_dir) -> CachedHf:
+    return CachedHf(tiny_dir)
+
+
+def build_hf_checkpoint(out: Path, seed: int, **config) -> Path:
+    """A small Qwen3 built by transformers itself (its own init), with the embedded model's tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM as HfQwen3
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=151936, max_position_embeddings=2048, rope_theta=1e6, **config)
+    HfQwen3(cfg).save_pretrained(str(out))
+    write_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def other_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Two configs unlike the default: untied embeddings; GQA 4:1 with head_dim 128."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "untied": build_hf_checkpoint(
+            root / "untied", seed=1, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=3, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False,
+        ),
+        "gqa4_d128": build_hf_checkpoint(
+            root / "gqa4_d128", seed=2, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=128, tie_word_embeddings=True,
+        ),
+    }
+
+
+def copy_default_tokenizer(src: Path, dst: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
