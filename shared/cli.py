@@ -83,7 +83,3 @@ def _download(repo_id: str) -> Path:
     except Exception as e:  # network, auth or a wrong id: all the user's to fix
         raise CourseError(f"model {repo_id} is not a local directory and could not be downloaded: {type(e).__name__}")
 
-
-def positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise CourseError(f"{name} must be at least 1, got {value}")

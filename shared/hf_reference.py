@@ -13,6 +13,7 @@ from shared.generation import StopRule
 class HfOutput:
     tokens: list[int]
     margins: list[float]  # top-1 minus top-2 logit at each generated position
+    top_logits: list[float]  # the top-1 logit there: half-precision rounding scales with it
 
 
 class HfReference:
@@ -42,8 +43,5 @@ class HfReference:
             return_dict_in_generate=True,
         )
         tokens = out.sequences[0, len(prompt_ids):].tolist()
-        margins = []
-        for step_logits in out.logits[: len(tokens)]:
-            top2 = step_logits[0].float().topk(2).values
-            margins.append(float(top2[0] - top2[1]))
-        return HfOutput(tokens, margins)
+        top2 = [step[0].float().topk(2).values for step in out.logits[: len(tokens)]]
+        return HfOutput(tokens, [float(t[0] - t[1]) for t in top2], [float(t[0]) for t in top2])

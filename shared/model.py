@@ -107,5 +107,6 @@ class Qwen3ForCausalLM(nn.Module):
         if missing:
             raise CourseError(f"{model_dir}: checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
         model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+        # inv_freq is a computed buffer, not a checkpoint tensor: rebuild it off the meta device.
         model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
         return model.eval()
