@@ -1,0 +1,40 @@
+"""One ragged forward for many requests: the model's attention seam, backed by the block-tensor pool.
+
+The runner owns the pool, the block allocator and the backend. Callers (the engine here, a scheduler in
+L4) decide which requests step and reserve their blocks; `forward` does the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from lessons.l2_token_flat.block_allocator import BlockAllocator
+from lessons.l2_token_flat.request import Request
+from lessons.l3_block_tensor.backends import AttentionBackend, make_backend
+from lessons.l3_block_tensor.batch_meta import BatchMeta
+from lessons.l3_block_tensor.kv_pool import BlockKvPool
+from shared.model import Qwen3ForCausalLM
+
+
+class PagedRunner:
+    def __init__(self, model: Qwen3ForCausalLM, block_size: int, num_blocks: int, backend: str | AttentionBackend = "auto"):
+        self.model, self.block_size = model, block_size
+        self.device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockKvPool(model.config, num_blocks, block_size, dtype, self.device)
+        self.backend = make_backend(backend, model.config, dtype, self.device) if isinstance(backend, str) else backend
+
+    def forward(self, requests: list[Request]) -> torch.Tensor:
+        """Feed every request's uncached tokens in one flat stream -> fp32 logits [B, vocab] of each one's last."""
+        meta = BatchMeta.build(requests, self.block_size, self.device)
+        ids = [t for r in requests for t in (r.prompt_ids + r.output_ids)[r.num_cached:]]
+        tokens = torch.tensor(ids, device=self.device)  # [T]: requests concatenated, no padding
+        self.backend.plan(meta)  # once per step, before the first layer
+        hidden = self.model(tokens, meta.positions, self, meta)
+        for r in requests:
+            r.num_cached = r.num_tokens
+        return self.model.logits(hidden[meta.last_rows])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        # Write first: each request's new tokens must see themselves (the diagonal of the causal mask).
+        self.pool.write(layer, k, v, meta.slot_mapping)
+        return self.backend.run(q, self.pool.k[layer], self.pool.v[layer], meta)
