@@ -1,0 +1,44 @@
+"""The docs cannot drift from the code.
+
+A doc quotes code by putting `<!-- quote: path/to/file.py:START-END -->` on the line right before a
+fenced block; the block must equal lines START..END of that file (trailing whitespace ignored). Every
+`tests/...py` and `scripts/...py` path a doc names must exist (name a planned file without its folder).
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+MARKER = re.compile(r"<!-- quote: (\S+?):(\d+)-(\d+) -->")
+QUOTE = re.compile(r"^<!-- quote: (\S+?):(\d+)-(\d+) -->\n```[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+PATH = re.compile(r"(?<![\w/.-])(?:tests|scripts)/[\w/.-]*?\.py\b")
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.splitlines()]
+
+
+def test_there_are_docs():
+    assert (ROOT / "docs" / "README.md") in DOCS
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_quoted_code_matches_the_file(doc):
+    text = doc.read_text()
+    quotes = QUOTE.findall(text)
+    assert len(quotes) == len(MARKER.findall(text)), f"{doc.name}: a quote marker is not followed by a fenced block"
+    for path, start, end, body in quotes:
+        source = ROOT / path
+        assert source.is_file(), f"{doc.name} quotes {path}, which does not exist"
+        start, end = int(start), int(end)
+        wanted = _lines(source.read_text())[start - 1 : end]
+        assert 1 <= start <= end and len(wanted) == end - start + 1, f"{doc.name}: {path}:{start}-{end} is out of range"
+        assert _lines(body) == wanted, f"{doc.name}: the quote of {path}:{start}-{end} no longer matches the file"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_named_tests_and_scripts_exist(doc):
+    missing = sorted({p for p in PATH.findall(doc.read_text()) if not (ROOT / p).is_file()})
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
