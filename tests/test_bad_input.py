@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CPU
 from lessons.l2_token_flat import L2Engine
 from shared.errors import CourseError
 from shared.generation import StopRule

@@ -18,14 +18,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def pool_blocks(block_size: int, num_blocks: int | None) -> int:
+    """Check the pool options every paged lesson takes; None means DEFAULT_POOL_TOKENS' worth of blocks."""
+    if block_size < 1:
+        raise CourseError(f"block-size must be at least 1, got {block_size}")
+    if num_blocks is None:
+        return blocks_for(DEFAULT_POOL_TOKENS, block_size)
+    if num_blocks < 1:
+        raise CourseError(f"num-blocks must be at least 1, got {num_blocks}")
+    return num_blocks
+
+
 class L2Engine:
     def __init__(self, model: Qwen3ForCausalLM, block_size: int = 16, num_blocks: int | None = None):
-        if block_size < 1:
-            raise CourseError(f"block-size must be at least 1, got {block_size}")
-        if num_blocks is None:
-            num_blocks = blocks_for(DEFAULT_POOL_TOKENS, block_size)
-        if num_blocks < 1:
-            raise CourseError(f"num-blocks must be at least 1, got {num_blocks}")
+        num_blocks = pool_blocks(block_size, num_blocks)
         self.model, self.block_size = model, block_size
         self.device = model.lm_head.weight.device
         self.allocator = BlockAllocator(num_blocks)

@@ -4,7 +4,7 @@ Each request stops on its own rule and frees its blocks at once; the batch never
 """
 from __future__ import annotations
 
-from lessons.l2_token_flat.engine import DEFAULT_POOL_TOKENS, blocks_for
+from lessons.l2_token_flat.engine import blocks_for, pool_blocks
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import AttentionBackend
 from lessons.l3_block_tensor.runner import PagedRunner
@@ -16,12 +16,7 @@ from shared.model import Qwen3ForCausalLM
 class L3Engine:
     def __init__(self, model: Qwen3ForCausalLM, block_size: int = 16, num_blocks: int | None = None,
                  backend: str | AttentionBackend = "auto"):
-        if block_size < 1:
-            raise CourseError(f"block-size must be at least 1, got {block_size}")
-        if num_blocks is None:
-            num_blocks = blocks_for(DEFAULT_POOL_TOKENS, block_size)
-        if num_blocks < 1:
-            raise CourseError(f"num-blocks must be at least 1, got {num_blocks}")
+        num_blocks = pool_blocks(block_size, num_blocks)
         self.model, self.block_size = model, block_size
         self.runner = PagedRunner(model, block_size, num_blocks, backend)
         self.allocator = self.runner.allocator
