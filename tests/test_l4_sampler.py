@@ -1,0 +1,99 @@
+"""The sampler: greedy is argmax, top-k / top-p keep exactly the right support, draws follow the target
+distribution, and a seeded request's draws do not depend on what else is in the batch."""
+import math
+
+import pytest
+import torch
+
+from lessons.l4_continuous.sampling import SamplingParams, filtered_probs, sample, sample_row
+from shared.errors import CourseError
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # distinct, so every cut point is unambiguous
+# chi-square critical values at significance 0.001, by degrees of freedom: a correct sampler fails
+# one of these checks with probability 0.1%, and the fixed seeds make the outcome reproducible.
+CHI2_CRIT_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(7, 1000, generator=torch.Generator().manual_seed(0))
+    got = sample(logits, [SamplingParams()] * 7, [None] * 7)
+    assert got == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_top_k_keeps_the_k_largest(k):
+    _, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=k))
+    assert sorted(ids.tolist()) == list(range(k))  # LOGITS is sorted descending
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.6, 0.8, 0.95, 1.0])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p):
+    probs = torch.softmax(LOGITS, -1).tolist()
+    # expected support: add tokens, most likely first, until their mass reaches top_p
+    want, mass = [], 0.0
+    for i, pr in enumerate(probs):
+        want.append(i)
+        mass += pr
+        if mass >= top_p:
+            break
+    kept, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert ids.tolist() == want
+    assert math.isclose(float(kept.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_top_k_then_top_p_renormalises_in_between():
+    # top-k 3 leaves [2, 1, 0.5]; renormalised, token 0 alone holds ~0.63 < 0.7, so two tokens stay
+    _, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
+    assert ids.tolist() == [0, 1]
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.5, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+])
+def test_sampled_frequencies_match_the_target(params):
+    probs, ids = filtered_probs(LOGITS, params)
+    target = dict(zip(ids.tolist(), probs.tolist()))
+    g = torch.Generator().manual_seed(1234)
+    draws = [sample_row(LOGITS, params, g) for _ in range(20_000)]
+    assert set(draws) <= set(target)  # never outside the support
+    counts = [draws.count(t) for t in target]
+    df = len(target) - 1
+    assert chi_square(counts, list(target.values())) < CHI2_CRIT_0_001[df]
+
+
+def test_seeded_rows_are_batch_invariant():
+    """A request's tokens depend on its seed and its own logits only: not on its row or its neighbours."""
+    vocab, steps = 50, 30
+    mine = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(7))
+    p = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
+    g_alone = torch.Generator().manual_seed(42)
+    alone = [sample(mine[t:t + 1], [p], [g_alone])[0] for t in range(steps)]
+    g_me, g_other = torch.Generator().manual_seed(42), torch.Generator().manual_seed(3)
+    other_p = SamplingParams(temperature=1.3, top_k=5)
+    crowded = []
+    for t in range(steps):
+        noise = torch.randn(3, vocab)
+        batch = torch.cat([noise[:1], mine[t:t + 1], noise[1:]])  # me in row 1 among a greedy and a sampled row
+        out = sample(batch, [SamplingParams(), p, other_p], [None, g_me, g_other])
+        crowded.append(out[1])
+    assert alone == crowded
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top-p"),
+    ({"top_p": 1.01}, "top-p"),
+    ({"top_k": -1}, "top-k"),
+])
+def test_bad_sampling_params_are_course_errors(kwargs, words):
+    with pytest.raises(CourseError, match=words):
+        SamplingParams(**kwargs)
