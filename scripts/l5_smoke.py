@@ -8,7 +8,6 @@ from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING
 from lessons.l5_preemption import L5Engine
 from lessons.l5_preemption.scheduler import POLICIES
 from shared.cli import smoke_parser
-from shared.errors import CourseError
 from shared.smoke import main
 
 STAGGER = 1  # request i arrives at step i: each new prompt squeezes the ones already decoding
@@ -33,24 +32,24 @@ def parser():
 
 
 def build_engines(model, args):
-    if args.max_running < 1:
-        raise CourseError(f"max-running must be at least 1, got {args.max_running}")
     args.engines = {}  # kept for the preemption report
     policies = POLICIES if args.policy == "both" else (args.policy,)
 
+    def pool_size(prompts, stop) -> int:
+        # Default pool: the biggest request alone fits with one block to spare; together they cannot.
+        return args.num_blocks or 1 + max(blocks_for(len(p) + stop.max_new_tokens - 1, args.block_size) for p in prompts)
+
     def l5(policy):
         def run(prompts, stop):
-            # Default pool: the biggest request alone fits with one block to spare; together they cannot.
-            n = args.num_blocks or 1 + max(blocks_for(len(p) + stop.max_new_tokens - 1, args.block_size) for p in prompts)
-            eng = L5Engine(model, args.block_size, n, args.max_running, args.backend,
+            eng = L5Engine(model, args.block_size, pool_size(prompts, stop), args.max_running, args.backend,
                            policy=policy, host_blocks=args.host_blocks)
             args.engines[policy] = eng
             return eng.generate_batch(prompts, stop, stagger=STAGGER)
         return run
 
     def l4(prompts, stop):
-        n = args.num_blocks or 1 + max(blocks_for(len(p) + stop.max_new_tokens - 1, args.block_size) for p in prompts)
-        return L4Engine(model, args.block_size, n, args.max_running, args.backend).generate_batch(prompts, stop, stagger=STAGGER)
+        eng = L4Engine(model, args.block_size, pool_size(prompts, stop), args.max_running, args.backend)
+        return eng.generate_batch(prompts, stop, stagger=STAGGER)
 
     return {**{f"L5-{p}": l5(p) for p in policies}, "L4": l4}
 
