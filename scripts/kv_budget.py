@@ -23,10 +23,10 @@ from shared.config import Qwen3Config
 class NoOpRunner:
     """The PagedRunner interface without a model: feeds nothing, caches everything, logits of one token."""
 
-    def __init__(self, block_size: int, num_blocks: int, pool=None):
+    def __init__(self, block_size: int, num_blocks: int):
         self.block_size, self.allocator = block_size, BlockAllocator(num_blocks)
         shape = (num_blocks, block_size, 1, 1)  # a token-sized stand-in, so L5's swap copies have a pool to copy
-        self.pool = pool or SimpleNamespace(k=[torch.zeros(shape)], v=[torch.zeros(shape)])
+        self.pool = SimpleNamespace(k=[torch.zeros(shape)], v=[torch.zeros(shape)])
 
     def forward(self, requests) -> torch.Tensor:
         for r in requests:
@@ -35,9 +35,11 @@ class NoOpRunner:
 
 
 class ReservingScheduler(Scheduler):
-    """L1-style admission: every running request holds `reserve` tokens of KV, whatever its real length."""
+    """L1-style admission: every running request holds `reserve_blocks` of KV, whatever its real length."""
 
-    reserve_blocks = 0
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int, reserve_blocks: int):
+        super().__init__(allocator, block_size, max_running)
+        self.reserve_blocks = reserve_blocks
 
     def can_admit(self, seq) -> bool:
         return (len(self.running) + 1) * self.reserve_blocks <= self.allocator.num_blocks
@@ -49,9 +51,8 @@ class ReservingEngine(L4Engine):
         super().__init__(*args, **kw)
 
     def make_scheduler(self, max_running: int) -> Scheduler:
-        sched = ReservingScheduler(self.allocator, self.block_size, max_running)
-        sched.reserve_blocks = -(-self.reserve_tokens // self.block_size)
-        return sched
+        reserve_blocks = -(-self.reserve_tokens // self.block_size)
+        return ReservingScheduler(self.allocator, self.block_size, max_running, reserve_blocks)
 
 
 def simulate(cls, jobs, block_size: int, num_blocks: int, max_running: int, **kw):
