@@ -14,16 +14,21 @@ class HfOutput:
     tokens: list[int]
     margins: list[float]  # top-1 minus top-2 logit at each generated position
     top_logits: list[float]  # the top-1 logit there: half-precision rounding scales with it
+    runner_ups: list[int]  # HF's second choice there: the only token a numerical tie can swap in
 
 
 class HfReference:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         import transformers
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        # generate() fills every option we leave unset from the checkpoint's generation_config.json, so a
+        # checkpoint that ships repetition_penalty or top_k would change the oracle. Replace it with a
+        # neutral one: plain greedy, no processors; EOS is passed explicitly per call.
+        self.model.generation_config = GenerationConfig()
         self.device = device
 
     @torch.inference_mode()
@@ -43,5 +48,12 @@ class HfReference:
             return_dict_in_generate=True,
         )
         tokens = out.sequences[0, len(prompt_ids):].tolist()
-        top2 = [step[0].float().topk(2).values for step in out.logits[: len(tokens)]]
-        return HfOutput(tokens, [float(t[0] - t[1]) for t in top2], [float(t[0]) for t in top2])
+        top2 = [step[0].float().topk(2) for step in out.logits[: len(tokens)]]
+        # On an exact tie topk may list HF's pick second: the runner-up is whichever of the two HF did not emit.
+        runner_ups = [int(t.indices[1] if int(t.indices[0]) == tok else t.indices[0]) for t, tok in zip(top2, tokens)]
+        return HfOutput(
+            tokens,
+            margins=[float(t.values[0] - t.values[1]) for t in top2],
+            top_logits=[float(t.values[0]) for t in top2],
+            runner_ups=runner_ups,
+        )

@@ -7,10 +7,11 @@ import torch
 
 from shared.hf_reference import HfOutput
 
-# A divergence in half precision counts as a numerical tie when HF's top-2 logit margin there is at most
-# TIE_ULPS units of rounding of the dtype at the size of the top logit. Logits come out of a half-precision
-# matmul, so they are quantised: a bf16 logit near 48 moves in steps of 0.25, and a 0.25 margin is one
-# rounding step, not evidence of a bug. fp32 gets no exceptions.
+# A divergence in half precision counts as a numerical tie when our token is HF's runner-up there and HF's
+# top-2 logit margin is at most TIE_ULPS units of rounding of the dtype at the size of the top logit.
+# Logits come out of a half-precision matmul, so they are quantised: a bf16 logit near 48 moves in steps
+# of 0.25, and a 0.25 margin is one rounding step, not evidence of a bug. Any other token is a bug however
+# small the margin, and fp32 gets no exceptions.
 TIE_ULPS = 2
 
 
@@ -28,6 +29,7 @@ class Verdict:
     theirs: int | None = None  # None: HF's list ended there
     margin: float | None = None  # HF's top-1 minus top-2 logit at that position
     tolerance: float | None = None  # the largest margin that still counts as a tie there
+    runner_up: int | None = None  # HF's second choice there: a tie must have picked exactly this
 
     @property
     def ok(self) -> bool:
@@ -38,12 +40,18 @@ class Verdict:
 
 
 def compare(ours: list[int], hf: HfOutput, dtype: torch.dtype) -> Verdict:
+    """Judge only the first divergence: after a tie the two continuations are different texts.
+
+    A length difference is never a tie by itself. Ours ending early (or running on) with every token equal
+    means the stop rule differs; a tie that picked EOS shows up as a divergence at that token instead.
+    """
     if ours == hf.tokens:
         return Verdict("match")
     pos = next((i for i, (a, b) in enumerate(zip(ours, hf.tokens)) if a != b), min(len(ours), len(hf.tokens)))
     mine = ours[pos] if pos < len(ours) else None
     theirs = hf.tokens[pos] if pos < len(hf.tokens) else None
-    if pos >= len(hf.margins):  # HF stopped (EOS or length) where we went on: no margin to judge by
+    if mine is None or theirs is None:
         return Verdict("mismatch", pos, mine, theirs)
-    margin, tol = hf.margins[pos], tie_tolerance(dtype, hf.top_logits[pos])
-    return Verdict("tie" if margin <= tol else "mismatch", pos, mine, theirs, margin, tol)
+    margin, tol, second = hf.margins[pos], tie_tolerance(dtype, hf.top_logits[pos]), hf.runner_ups[pos]
+    tie = mine == second and margin <= tol
+    return Verdict("tie" if tie else "mismatch", pos, mine, theirs, margin, tol, second)

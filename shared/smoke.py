@@ -178,5 +178,8 @@ def _describe(v: Verdict, dtype: torch.dtype) -> str:
     margin = "n/a" if v.margin is None else f"{v.margin:.4g}"
     where = f"first divergence at position {v.position}: ours {v.ours}, HF {v.theirs}, HF top-2 margin {margin}"
     if v.status == "tie":
-        return f"[yellow]numerical tie[/] ({where} <= tolerance {v.tolerance:.3g} for {dtype}: not a failure)"
+        return (f"[yellow]numerical tie[/] ({where} <= tolerance {v.tolerance:.3g} for {dtype}, and ours is HF's "
+                f"runner-up: not a failure)")
+    if v.runner_up is not None and v.ours != v.runner_up:
+        where += f" (HF's runner-up was {v.runner_up}: ours is neither of HF's top two)"
     return f"[bold red]MISMATCH[/] {where}"

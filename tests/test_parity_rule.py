@@ -1,10 +1,13 @@
-"""The parity rule: exact in fp32; in half precision a divergence is a tie only within rounding of HF's top logit."""
+"""The parity rule: exact in fp32; in half precision a divergence is a tie only when our token is HF's
+runner-up and HF's top-2 margin is within rounding of its top logit. Everything else is a mismatch."""
 import torch
 
 from shared.hf_reference import HfOutput
 from shared.parity import compare, tie_tolerance
 
-HF = HfOutput(tokens=[5, 6, 7, 8], margins=[3.0, 0.25, 2.0, 0.1], top_logits=[40.0, 48.0, 40.0, 40.0])
+# Position 1 (margin 0.25 at logit 48) and position 3 (0.1 at 40) are inside bf16's tolerance; 0 and 2 are not.
+HF = HfOutput(tokens=[5, 6, 7, 8], margins=[3.0, 0.25, 2.0, 0.1], top_logits=[40.0, 48.0, 40.0, 40.0],
+              runner_ups=[50, 9, 70, 80])
 
 
 def test_identical_is_a_match_in_every_dtype():
@@ -14,18 +17,38 @@ def test_identical_is_a_match_in_every_dtype():
 
 def test_fp32_has_no_ties():
     v = compare([5, 9, 9, 9], HF, torch.float32)
-    assert (v.status, v.position, v.ours, v.theirs, v.margin) == ("mismatch", 1, 9, 6, 0.25)
+    assert (v.status, v.position, v.ours, v.theirs, v.margin, v.runner_up) == ("mismatch", 1, 9, 6, 0.25, 9)
 
 
-def test_bf16_one_rounding_step_is_a_tie_but_a_clear_margin_is_not():
+def test_bf16_runner_up_within_one_rounding_step_is_a_tie():
     assert tie_tolerance(torch.bfloat16, 48.0) == 2 * 2**-7 * 48  # two bf16 ulps-at-1 scaled by the logit
-    assert compare([5, 9, 9, 9], HF, torch.bfloat16).status == "tie"
-    assert compare([9, 9, 9, 9], HF, torch.bfloat16).status == "mismatch"  # margin 3.0 at position 0
-    assert compare([5, 6, 9], HF, torch.float16).status == "mismatch"  # fp16 tolerance at 40 is 0.078 < 2.0
+    v = compare([5, 9, 1, 2], HF, torch.bfloat16)  # after a tie the continuations differ: not judged
+    assert (v.status, v.position, v.ours, v.runner_up) == ("tie", 1, 9, 9)
+    assert compare([5, 6, 7, 80], HF, torch.bfloat16).status == "tie"
+
+
+def test_a_wrong_token_at_a_small_margin_is_a_mismatch():
+    """The margin alone is not enough: a garbage token where HF was nearly tied is still a bug."""
+    v = compare([5, 1234, 7, 8], HF, torch.bfloat16)  # margin 0.25 <= tolerance, but 1234 is not HF's runner-up
+    assert (v.status, v.position, v.ours, v.runner_up) == ("mismatch", 1, 1234, 9)
+    assert compare([5, 6, 7, 81], HF, torch.bfloat16).status == "mismatch"
+
+
+def test_a_clear_margin_is_a_mismatch_even_for_the_runner_up():
+    assert compare([50, 6, 7, 8], HF, torch.bfloat16).status == "mismatch"  # margin 3.0 at position 0
+    assert compare([5, 6, 70], HF, torch.float16).status == "mismatch"  # fp16 tolerance at 40 is 0.078 < 2.0
 
 
 def test_length_differences_are_mismatches():
-    v = compare([5, 6], HF, torch.bfloat16)  # we stopped early where HF had a clear margin
+    v = compare([5, 6, 7], HF, torch.bfloat16)  # truncated where HF's margin was inside the tolerance
+    assert v.status == "mismatch" and v.position == 3 and v.ours is None
+    v = compare([5, 6], HF, torch.bfloat16)  # stopped early where HF had a clear margin
     assert v.status == "mismatch" and v.position == 2 and v.ours is None
     v = compare([5, 6, 7, 8, 9], HF, torch.bfloat16)  # we went past HF's end: nothing to call a tie
     assert v.status == "mismatch" and v.position == 4 and v.theirs is None
+
+
+def test_a_tie_that_picks_eos_ends_ours_early_and_is_still_a_tie():
+    eos = 9  # HF's runner-up at position 1 is EOS: our engine stops there, one token long after the prefix
+    v = compare([5, eos], HF, torch.bfloat16)
+    assert (v.status, v.position, v.ours) == ("tie", 1, eos)
