@@ -22,8 +22,8 @@ DEFAULT_PROMPTS = [
 
 
 def parser():
-    p = smoke_parser("L5", __doc__, blocks=True, default_prompts=DEFAULT_PROMPTS)
-    p.set_defaults(block_size=4)
+    p = smoke_parser("L5", __doc__, blocks=True, default_prompts=DEFAULT_PROMPTS, block_size=4,
+                     pool_default="the biggest single request plus one block, so the others must be preempted")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
     p.add_argument("--policy", choices=(*POLICIES, "both"), default="both", help="preemption policy to run")

@@ -24,14 +24,16 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def smoke_parser(lesson: str, description: str, *, blocks: bool, default_prompts: list[str]) -> OneLineParser:
+def smoke_parser(lesson: str, description: str, *, blocks: bool, default_prompts: list[str], block_size: int = 16,
+                 pool_default: str = "4096 tokens' worth") -> OneLineParser:
+    """The common options. A lesson whose smoke sizes its pool differently says how in `pool_default`."""
     p = OneLineParser(prog=f"{lesson.lower()}_smoke.py", description=description)
     p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--prompt", action="append", help=f"repeatable (default: {default_prompts!r})")
     p.add_argument("--max-new-tokens", type=int, default=20)
     if blocks:
-        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: 4096 tokens' worth)")
+        p.add_argument("--block-size", type=int, default=block_size, help=f"tokens per KV block (default: {block_size})")
+        p.add_argument("--num-blocks", type=int, help=f"KV pool size in blocks (default: {pool_default})")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")

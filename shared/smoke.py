@@ -98,7 +98,7 @@ def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines
     else:
         _report(console, lesson, setup, outputs, hf_out, verdicts, seconds, ok)
         if extra is not None:
-            console.print(("[bold green]PASS[/]: " if extra[0] else "[bold red]FAIL[/]: ") + extra[1])
+            console.print(("[bold green]PASS[/]: " if extra[0] else "[bold red]FAIL[/]: ") + extra[1], soft_wrap=True)
     return 0 if ok and (extra is None or extra[0]) else 1
 
 
@@ -155,14 +155,16 @@ def _report(console: Console, lesson, setup: Setup, outputs, hf_out: list[HfOutp
             row += [_cell(outputs[n][i], pos, hf_tokens) for n in names]
             table.add_row(*row)
         console.print(table)
-        console.print(f"text: {setup.tokenizer.decode(outputs[names[0]][i])!r}")
+        console.print(f"text: {setup.tokenizer.decode(outputs[names[0]][i])!r}", soft_wrap=True)
         for n in names:
-            console.print(f"{n} vs HF: {_describe(verdicts[n][i], setup.dtype)}")
+            # soft_wrap: a result line stays one line in a pipe or a narrow terminal, so grep and the docs see it whole
+            console.print(f"{n} vs HF: {_describe(verdicts[n][i], setup.dtype)}", soft_wrap=True)
     console.rule("timing")
     for name, s in seconds.items():
         ratio = "" if name == "HF" else f"  ({seconds['HF'] / s:.2f}x HF's speed)" if s > 0 else ""
         console.print(f"{name:>4}: {s:7.3f} s{ratio}")
-    console.print("[bold green]PASS[/]: every prompt matches HF" if ok else "[bold red]FAIL[/]: a prompt diverged from HF")
+    console.print("[bold green]PASS[/]: every prompt matches HF" if ok else "[bold red]FAIL[/]: a prompt diverged from HF",
+                  soft_wrap=True)
 
 
 def _cell(tokens: list[int], pos: int, reference: list[int]) -> str:

@@ -37,3 +37,26 @@ def test_planted_kv_bug_exits_1_and_reports_the_divergence(monkeypatch, capsys):
     code, out, _ = run_script("l2_smoke.py", ["--json"], capsys)
     verdict = json.loads(out)["prompts"][0]["L2_verdict"]
     assert code == 1 and verdict["status"] == "mismatch" and verdict["position"] == 1 and verdict["margin"] > 0
+
+
+def test_result_lines_survive_a_pipe_and_a_narrow_terminal():
+    """Rich wraps at 80 columns (or $COLUMNS) when piped; the lines a learner greps for must stay whole."""
+    import os
+    import subprocess
+    import sys
+
+    from test_bad_input import ROOT
+
+    env = os.environ | {"COLUMNS": "20"}
+    r = subprocess.run([sys.executable, "scripts/l2_smoke.py", "--max-new-tokens", "3", "--prompt", "a b c d e f g h"],
+                       cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "L2 vs HF: identical" in lines and "PASS: every prompt matches HF" in lines
+
+
+def test_help_states_each_smokes_own_pool_defaults(capsys):
+    code, out, _ = run_script("l5_smoke.py", ["--help"], capsys)
+    assert code == 0 and "tokens per KV block (default: 4)" in " ".join(out.split())
+    code, out, _ = run_script("l2_smoke.py", ["--help"], capsys)
+    assert code == 0 and "(default: 16)" in out and "4096 tokens' worth" in " ".join(out.split())
