@@ -69,11 +69,13 @@ def simulate(cls, jobs, block_size: int, num_blocks: int, max_running: int, **kw
 
 def budget_rows(console: Console, budget: int, args, context: int = 4096) -> list[dict]:
     jobs = bs.make_workload(args.requests, tuple(args.prompt_len), tuple(args.new_tokens), 1000, args.seed)
-    longest = args.prompt_len[1] + args.new_tokens[1]
+    # The exact-max baseline: a server that knew each request's real maximum reserves the longest one's
+    # length for all (not the MIN/MAX bound of the options, which no request may reach).
+    longest = max(len(j.prompt_ids) + j.new_tokens for j in jobs)
     blocks = budget // args.block_size
     rows = []
     for name, cls, kw in ((f"max-length reservation ({context} = model context)", ReservingEngine, {"reserve_tokens": context}),
-                          (f"max-length reservation ({longest} = workload's longest)", ReservingEngine, {"reserve_tokens": longest}),
+                          (f"max-length reservation ({longest} = workload's longest request)", ReservingEngine, {"reserve_tokens": longest}),
                           ("L4 paged, admit on promise", L4Engine, {}),
                           ("L5 paged, admit on need (recompute)", L5Engine, {"policy": "recompute"})):
         if cls is ReservingEngine and kw["reserve_tokens"] > budget:
