@@ -56,7 +56,8 @@ class ReservingEngine(L4Engine):
 
 
 def simulate(cls, jobs, block_size: int, num_blocks: int, max_running: int, **kw):
-    cfg = Qwen3Config(1, 1, 1, 1, 1, 1, 1, 1e-6, 1e6, 1 << 20, True, ())
+    # Only the sizes matter; the vocabulary is Qwen3's, so the engine's token-id check accepts the workload.
+    cfg = Qwen3Config(151_936, 1, 1, 1, 1, 1, 1, 1e-6, 1e6, 1 << 20, True, ())
     model = SimpleNamespace(config=cfg, lm_head=SimpleNamespace(weight=torch.zeros(1)))
     engine = cls(model, block_size, num_blocks, max_running, runner=NoOpRunner(block_size, num_blocks), **kw)
     engine.stats.record_timeline = False

@@ -61,7 +61,9 @@ def preemption_report(model, setup, args):
         parts.append(f"{policy}: {s.preemptions} preemption(s), {s.swaps_out} swapped out / {s.swaps_in} in, "
                      f"pool {eng.allocator.num_blocks} blocks, {eng.allocator.num_free} free at the end")
         leak = eng.allocator.num_free != eng.allocator.num_blocks
-        ok &= not leak and (s.preemptions > 0 or args.num_blocks is not None)  # the default pool must preempt
+        # Only the default prompts are chosen to force preemption (a single prompt of one's own never can be):
+        # that run must preempt; any run must end with every block free.
+        ok &= not leak and (s.preemptions > 0 or args.num_blocks is not None or args.prompt is not None)
     return ok, "; ".join(parts)
 
 

@@ -36,30 +36,58 @@ class Qwen3Config:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CourseError(f"no config.json in model directory {model_dir}")
-        raw = json.loads(path.read_text())
+        raw = read_json_object(path)
         if raw.get("model_type") != "qwen3":
             raise CourseError(f"{model_dir} holds model_type {raw.get('model_type')!r}, not a qwen3 checkpoint")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CourseError(f"{model_dir}: rope type {rope.get('rope_type')!r} is not supported, only default RoPE")
+        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
+            kind = rope.get("rope_type") if isinstance(rope, dict) else rope
+            raise CourseError(f"{model_dir}: rope type {kind!r} is not supported, only default RoPE")
         theta = raw.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
-            raise CourseError(f"{model_dir}/config.json has no rope_theta")
-        heads = raw["num_attention_heads"]
+            raise CourseError(f"{path} has no rope_theta")
+        # Checked here, one field at a time, so a hand-edited config fails with its name, not deep in torch.
+        ints = {k: _positive(path, k, raw.get(k), int) for k in REQUIRED}
+        heads = ints["num_attention_heads"]
+        kv_heads = _positive(path, "num_key_value_heads", raw.get("num_key_value_heads", heads), int)
+        if heads % kv_heads:
+            raise CourseError(f"{path}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
+        head_dim = raw.get("head_dim") or ints["hidden_size"] // heads
         return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            **ints,
+            num_key_value_heads=kv_heads,
+            head_dim=_positive(path, "head_dim", head_dim, int),
+            rms_norm_eps=_positive(path, "rms_norm_eps", raw.get("rms_norm_eps", 1e-6), float),
+            rope_theta=_positive(path, "rope_theta", theta, float),
+            max_position_embeddings=_positive(path, "max_position_embeddings", raw.get("max_position_embeddings", 32768),
+                                              int),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_ids(Path(model_dir), raw),
         )
+
+
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from `path`, or a one-line CourseError naming the file."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CourseError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CourseError(f"{path} holds a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
+def _positive(path: Path, key: str, value: object, kind: type) -> int | float:
+    # bool is an int subclass, and `true` as a layer count is an edit gone wrong.
+    ok_types = (int,) if kind is int else (int, float)
+    if value is None:
+        raise CourseError(f"{path} has no {key}")
+    if isinstance(value, bool) or not isinstance(value, ok_types) or not value > 0:
+        raise CourseError(f"{path}: {key} must be a positive {kind.__name__}, got {value!r}")
+    return kind(value)
 
 
 def _eos_ids(model_dir: Path, raw: dict) -> tuple[int, ...]:
@@ -67,7 +95,10 @@ def _eos_ids(model_dir: Path, raw: dict) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        eos = read_json_object(gen_path).get("eos_token_id", eos)
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CourseError(f"{model_dir}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return tuple(ids)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from shared.checkpoint import load_state_dict
+from shared.checkpoint import load_state_dict, tensor_shapes
 from shared.config import Qwen3Config
 from shared.errors import CourseError
 from shared.layers import MLP, RMSNorm, RotaryEmbedding
@@ -97,16 +97,31 @@ class Qwen3ForCausalLM(nn.Module):
         cfg = Qwen3Config.from_dir(model_dir)
         with torch.device("meta"):
             model = cls(cfg)
+        _check_shapes(model, cfg, model_dir)  # headers only: no tensor data is read for a bad checkpoint
         state = load_state_dict(model_dir, dtype, device)
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            if not cfg.tie_word_embeddings:
-                raise CourseError(f"{model_dir}: untied embeddings but no lm_head.weight in the checkpoint")
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         expected = set(model.state_dict())
-        missing = sorted(expected - set(state))
-        if missing:
-            raise CourseError(f"{model_dir}: checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
         model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
         # inv_freq is a computed buffer, not a checkpoint tensor: rebuild it off the meta device.
         model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
         return model.eval()
+
+
+def _check_shapes(model: nn.Module, cfg: Qwen3Config, model_dir: Path) -> None:
+    """Name the first missing or mis-shaped tensor; load_state_dict would raise a multi-line error."""
+    shapes = tensor_shapes(model_dir)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in shapes:
+        if not cfg.tie_word_embeddings:
+            raise CourseError(f"{model_dir}: untied embeddings but no lm_head.weight in the checkpoint")
+        shapes.pop("lm_head.weight", None)  # tied: the embedding is used, whatever the file holds
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    missing = sorted(set(expected) - set(shapes))
+    if missing:
+        raise CourseError(f"{model_dir}: checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+    for name, want in expected.items():
+        got, path = shapes[name]
+        if got != want:
+            raise CourseError(f"{path}: {name} has shape {list(got)} but config.json implies {list(want)}")

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from shared.checkpoint import weight_files
+from shared.checkpoint import tensor_shapes
 from shared.cli import resolve_device, resolve_dtype, resolve_model_dir
 from shared.config import Qwen3Config
 from shared.errors import CourseError
@@ -56,7 +56,7 @@ def prepare(args: argparse.Namespace, status: Console) -> Setup:
     with status.status("building the embedded tiny Qwen3 (first run only)..."):
         model_dir = resolve_model_dir(args.model, default_model_dir)
     config = Qwen3Config.from_dir(model_dir)
-    weight_files(model_dir)  # missing weights fail here, before any tokenizing or loading
+    tensor_shapes(model_dir)  # missing or corrupt weight files fail here, from their headers, before loading
     eos = frozenset(config.eos_token_ids)
     stop = StopRule(args.max_new_tokens, eos, args.ignore_eos)
     prompts = args.prompt if args.prompt is not None else args.prompt_defaults

@@ -4,8 +4,12 @@ Random weights would make a lazy model: with tied embeddings the residual stream
 current token, so greedy decoding repeats it forever and ignores the KV cache. The scales below
 avoid that, so a KV bug shows up in the tokens:
   * the final norm's gain is a random +-1 per channel, so a token's embedding no longer predicts itself;
-  * q_norm / k_norm gains of QK_GAIN sharpen attention, so single cached keys matter;
+  * q_norm / k_norm gains around QK_GAIN sharpen attention, so single cached keys matter;
   * projections are scaled to keep each sub-layer's output the size of the residual stream.
+Every norm gain except the final norm's is drawn per channel (input / post-attention around 1, q / k
+around QK_GAIN, each spread by NORM_SPREAD), different in every layer and norm: a norm applied to the
+wrong tensor, or one layer's norm used in another, then changes the tokens instead of multiplying by
+the same constant.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ from safetensors.torch import save_file
 
 from shared.tokenizer import build_qwen3_tokenizer
 
-BUILD_VERSION = 1  # bump whenever the bytes below change; it names the cache folder
+BUILD_VERSION = 2  # bump whenever the bytes below change; it names the cache folder
 SEED = 20260101
 QK_GAIN = 2.0
+NORM_SPREAD = 0.4  # each norm gain is its centre times a uniform factor in [1 - spread, 1 + spread]
 IM_END, ENDOFTEXT = 151645, 151643
 
 TINY_CONFIG = {
@@ -66,23 +71,30 @@ def tiny_weights(cfg: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float32) * std
 
+    def gains(n: int, centre: float) -> torch.Tensor:
+        # Positive and bounded: no channel flips sign or vanishes, so the scales above still hold on average.
+        return centre * (1 + NORM_SPREAD * (2 * torch.rand(n, generator=g, dtype=torch.float32) - 1))
+
     e, f, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = {"model.embed_tokens.weight": normal(cfg["vocab_size"], e, std=1.0)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = torch.ones(e)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(e)
         w[p + "self_attn.q_proj.weight"] = normal(hq * d, e, std=e**-0.5)
         w[p + "self_attn.k_proj.weight"] = normal(hkv * d, e, std=e**-0.5)
         w[p + "self_attn.v_proj.weight"] = normal(hkv * d, e, std=e**-0.5)
         w[p + "self_attn.o_proj.weight"] = normal(e, hq * d, std=(hq * d) ** -0.5)
-        w[p + "self_attn.q_norm.weight"] = torch.full((d,), QK_GAIN)
-        w[p + "self_attn.k_norm.weight"] = torch.full((d,), QK_GAIN)
         w[p + "mlp.gate_proj.weight"] = normal(f, e, std=e**-0.5)
         w[p + "mlp.up_proj.weight"] = normal(f, e, std=e**-0.5)
         w[p + "mlp.down_proj.weight"] = normal(e, f, std=f**-0.5)
     w["model.norm.weight"] = torch.randint(0, 2, (e,), generator=g).float() * 2 - 1
+    # Drawn last, from the same generator, so the projections and embeddings above keep their values.
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = gains(e, 1.0)
+        w[p + "post_attention_layernorm.weight"] = gains(e, 1.0)
+        w[p + "self_attn.q_norm.weight"] = gains(d, QK_GAIN)
+        w[p + "self_attn.k_norm.weight"] = gains(d, QK_GAIN)
     return w
 
 

@@ -46,4 +46,8 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise CourseError(f"no tokenizer.json in model directory {model_dir}")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for bad JSON and for JSON of the wrong shape
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CourseError(f"{path} is not a valid tokenizer file: {why}") from None

@@ -1,9 +1,10 @@
 """A model-free stand-in for L3's PagedRunner, for fast scheduler tests.
 
-Its "KV" is the token id itself, written to the request's slots in a pool shaped like L3's
-([num_blocks, block_size, 1, 1] per layer), and its logits are a hash of the history it reads back
-from those slots. So a block that is lost, shared, or restored wrongly changes the next token, just
-as with the real model, at a tiny fraction of the cost.
+Its "KV" is the token id itself, encoded differently in every layer's K and V, written to the request's
+slots in a pool shaped like L3's ([num_blocks, block_size, 1, 1] per layer). Its logits are a hash of
+the history it reads back from those slots. So a block that is lost, shared, or restored wrongly changes
+the next token, just as with the real model, at a tiny fraction of the cost; and a slot whose layers or
+K and V disagree (a swap or copy that moved only K, or only layer 0) fails at once with an assertion.
 """
 from __future__ import annotations
 
@@ -16,11 +17,31 @@ from lessons.l2_token_flat.block_allocator import BlockAllocator
 from shared.config import Qwen3Config
 
 VOCAB = 64
+LAYERS = 2
+
+
+def encode_k(token: int, layer: int) -> float:
+    # A different affine map per layer: a block copied from the wrong layer decodes to a different token.
+    return float(token * (2 * layer + 1) + 1)
+
+
+def encode_v(token: int, layer: int) -> float:
+    # Negative, unlike every K: V copied into K's place (or the reverse) cannot decode to a valid token.
+    return float(-token * (layer + 2) - 3)
+
+
+def decode_k(value: float, layer: int) -> float:
+    return (value - 1) / (2 * layer + 1)
+
+
+def decode_v(value: float, layer: int) -> float:
+    return (-value - 3) / (layer + 2)
 
 
 class FakePool:
-    def __init__(self, num_blocks: int, block_size: int, layers: int = 2):
+    def __init__(self, num_blocks: int, block_size: int, layers: int = LAYERS):
         shape = (num_blocks, block_size, 1, 1)
+        # -1 decodes to a different value in every layer's K and V, so reading a slot never written fails.
         self.k = [torch.full(shape, -1.0) for _ in range(layers)]
         self.v = [torch.full(shape, -1.0) for _ in range(layers)]
 
@@ -39,14 +60,33 @@ class FakeRunner:
             tokens = r.prompt_ids + r.output_ids
             assert r.num_cached < r.num_tokens, "a request fed with nothing new"
             for p in range(r.num_cached, r.num_tokens):
-                b, o = r.blocks[p // self.block_size], p % self.block_size  # IndexError: block not reserved
-                for t in self.pool.k + self.pool.v:
-                    t[b, o, 0, 0] = float(tokens[p])
-            history = [int(self.pool.k[-1][r.blocks[p // self.block_size], p % self.block_size, 0, 0])
-                       for p in range(r.num_tokens)]
+                b, o = self._slot(r, p)
+                for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v)):
+                    k[b, o, 0, 0] = encode_k(tokens[p], layer)
+                    v[b, o, 0, 0] = encode_v(tokens[p], layer)
+            history = [self._read(r, p) for p in range(r.num_tokens)]
             r.num_cached = r.num_tokens
             out.append(logits_for(history))
         return torch.stack(out)
+
+    def _slot(self, r, p: int) -> tuple[int, int]:
+        return r.blocks[p // self.block_size], p % self.block_size  # IndexError: block not reserved
+
+    def _read(self, r, p: int) -> int:
+        """The token position p holds according to the pool: every layer's K and V must name the same one."""
+        b, o = self._slot(r, p)
+        seen = []
+        for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v)):
+            seen.append((f"K{layer}", decode_k(float(k[b, o, 0, 0]), layer)))
+            seen.append((f"V{layer}", decode_v(float(v[b, o, 0, 0]), layer)))
+        token = seen[0][1]
+        assert all(t == token for _, t in seen), (
+            f"request {getattr(r, 'seq_id', '?')} position {p} (block {b}, offset {o}): the pool's layers "
+            f"disagree on its token: {', '.join(f'{name}={t:g}' for name, t in seen)}"
+        )
+        # A stale slot written whole for another position names a real token: it is hashed as read, so the
+        # next token changes, as a lost block changes the real model's.
+        return int(token)
 
 
 def logits_for(history: list[int]) -> torch.Tensor:

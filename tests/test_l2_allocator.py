@@ -53,3 +53,21 @@ def test_double_free_is_caught():
     with pytest.raises(ValueError, match="freed twice"):
         a.free(b)
     assert a.num_free == 2
+
+
+@pytest.mark.parametrize("bad, error", [([0, 0], "freed twice"), ([-1], "not in this pool"),
+                                        ([4], "not in this pool"), ([1, 4], "not in this pool")])
+def test_free_rejects_repeats_and_out_of_range_ids_and_changes_nothing(bad, error):
+    a = BlockAllocator(4)
+    a.alloc(2)  # blocks 0 and 1 held; 2 and 3 free (so -1, read as block 3, looked free before the fix)
+    with pytest.raises(ValueError, match=error):
+        a.free(bad)
+    assert a.num_free == 2 and a.alloc(2) == [2, 3]  # nothing was freed, not even the valid ids
+
+
+def test_a_freed_block_is_reused_last():
+    a = BlockAllocator(4)
+    a.alloc(3)  # 0, 1, 2
+    a.free([1, 0])
+    # The never-used 3 comes first, then the freed ones in the order they were freed.
+    assert a.alloc(3) == [3, 1, 0]

@@ -36,6 +36,7 @@ def test_backpressure_in_a_small_pool_keeps_parity(tiny_model, hf, prompt_ids, s
 
 def test_a_request_rejected_mid_run_leaves_the_others_intact(tiny_model, hf, prompt_ids, stop):
     engine = L4Engine(tiny_model, 4, num_blocks=12, backend="torch")
+    vocab = tiny_model.config.vocab_size
     a = engine.add_request(prompt_ids[0], stop)
     engine.step()
     engine.step()
@@ -45,6 +46,9 @@ def test_a_request_rejected_mid_run_leaves_the_others_intact(tiny_model, hf, pro
         lambda: engine.add_request([], stop),  # empty prompt
         lambda: engine.add_request([1] * 4090, StopRule(10)),  # beyond the model's 4096 positions
         lambda: engine.add_request(prompt_ids[1], StopRule(0)),  # max tokens < 1 (StopRule itself refuses)
+        lambda: engine.add_request([vocab, *prompt_ids[1]], stop),  # would fail every later forward
+        lambda: engine.add_request([-1, *prompt_ids[1]], stop),
+        lambda: engine.add_request(prompt_ids[1], stop, SamplingParams(stop_token_ids=frozenset({vocab}))),
     ]
     for call in bad:
         with pytest.raises(CourseError):

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from lessons.l4_continuous.sampling import SamplingParams, filtered_probs, sample, sample_row
 from shared.errors import CourseError
@@ -41,10 +42,91 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p):
     assert math.isclose(float(kept.sum()), 1.0, rel_tol=1e-6)
 
 
+def test_a_tiny_top_p_keeps_only_the_most_likely_token():
+    # 1 - 1e-9 rounds to 1 in fp32, so every cumulative mass is "<= 1 - top_p": only the rule that the top
+    # token always stays keeps the support from being empty (and the probabilities from being NaN).
+    kept, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=1e-9))
+    assert ids.tolist() == [0]
+    assert kept.tolist() == [1.0]
+
+
 def test_top_k_then_top_p_renormalises_in_between():
     # top-k 3 leaves [2, 1, 0.5]; renormalised, token 0 alone holds ~0.63 < 0.7, so two tokens stay
     _, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
     assert ids.tolist() == [0, 1]
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    _, ids = filtered_probs(torch.tensor([3.0, 2.0, 2.0, 1.0]), SamplingParams(temperature=1.0, top_k=2))
+    assert ids.tolist() == [0, 1, 2]  # HF's TopKLogitsWarper keeps both 2.0s
+
+
+def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """HF's own warpers, in the order its generate() applies them, then softmax."""
+    scores = TemperatureLogitsWarper(p.temperature)(None, logits[None].clone())
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(None, scores)
+    if p.top_p < 1:
+        scores = TopPLogitsWarper(p.top_p)(None, scores)
+    return torch.softmax(scores, -1)[0]
+
+
+HF_ROWS = {
+    "random": torch.randn(300, generator=torch.Generator().manual_seed(5)) * 2,
+    "tied at the k-th": torch.tensor([3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0]),
+    "tied at the top": torch.tensor([2.0, 0.0, 2.0, 1.0, 2.0, 0.5, 0.5]),
+    "tied at the nucleus edge": torch.log(torch.tensor([0.5, 0.25, 0.25])),  # exact binary masses
+    "all tied": torch.zeros(8),
+}
+HF_PARAMS = [(1.0, 2, 1.0), (1.0, 3, 1.0), (0.7, 0, 0.9), (1.0, 0, 0.5), (1.0, 0, 0.6), (1.0, 0, 0.75),
+             (1.3, 5, 0.5), (0.5, 4, 0.3), (2.0, 1, 1.0), (1.0, 0, 1.0), (0.9, 50, 0.95)]
+
+
+@pytest.mark.parametrize("row", HF_ROWS, ids=list(HF_ROWS))
+@pytest.mark.parametrize("temperature, top_k, top_p", HF_PARAMS)
+def test_support_and_probabilities_match_hfs_warpers(row, temperature, top_k, top_p):
+    logits, p = HF_ROWS[row], SamplingParams(temperature, top_k, top_p)
+    want = hf_probs(logits, p)
+    probs, ids = filtered_probs(logits, p)
+    assert set(ids.tolist()) == set(want.nonzero().flatten().tolist())
+    dense = torch.zeros_like(want)
+    dense[ids] = probs
+    torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-7)
+
+
+def assert_one_draw_per_token(generator: torch.Generator, seed: int, tokens: int) -> None:
+    replay = torch.Generator().manual_seed(seed)
+    for _ in range(tokens):
+        torch.rand(1, generator=replay)
+    assert torch.equal(generator.get_state(), replay.get_state())
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-38, 1e-12])
+def test_a_tiny_temperature_picks_the_argmax_with_one_draw_per_token(temperature):
+    logits = torch.randn(20, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    g = torch.Generator().manual_seed(9)
+    picks = [sample_row(row, SamplingParams(temperature), g) for row in logits]
+    assert picks == logits.argmax(dim=-1).tolist()
+    assert_one_draw_per_token(g, 9, len(logits))
+
+
+def test_a_tiny_temperature_shares_a_tie_at_the_top():
+    probs, ids = filtered_probs(torch.tensor([2.0, 1.0, 2.0]), SamplingParams(1e-45))
+    assert ids.tolist() == [0, 2] and probs.tolist() == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-30, 1e30, 1e300])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.9), (3, 0.5)])
+def test_extreme_temperatures_never_give_nan(temperature, top_k, top_p):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 30
+    probs, ids = filtered_probs(logits, SamplingParams(temperature, top_k, top_p))
+    assert torch.isfinite(probs).all() and (probs > 0).all() and len(ids) >= 1
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5)
+    if temperature < 1:
+        assert ids.tolist() == [int(logits.argmax())]
+    g = torch.Generator().manual_seed(2)
+    assert sample_row(logits, SamplingParams(temperature, top_k, top_p), g) in ids.tolist()
+    assert_one_draw_per_token(g, 2, 1)
 
 
 def chi_square(counts: list[int], probs: list[float]) -> float:
@@ -93,7 +175,17 @@ def test_seeded_rows_are_batch_invariant():
     ({"top_p": 0.0}, "top-p"),
     ({"top_p": 1.01}, "top-p"),
     ({"top_k": -1}, "top-k"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"seed": 2**64}, "seed must be an integer in .*got 18446744073709551616"),
+    ({"seed": -1}, "seed must be an integer in .*got -1"),
+    ({"seed": True}, "seed must be an integer in .*got True"),
+    ({"seed": 3.0}, "seed must be an integer in .*got 3.0"),
 ])
 def test_bad_sampling_params_are_course_errors(kwargs, words):
     with pytest.raises(CourseError, match=words):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63, 2**64 - 1])
+def test_every_seed_torch_takes_without_aliasing_is_accepted(seed):
+    assert SamplingParams(1.0, seed=seed).seed == seed

@@ -116,3 +116,21 @@ def test_max_running_limits_the_batch():
         engine.add_request([i + 1], StopRule(5))
     engine.step()
     assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 3
+
+
+def test_kv_utilization_on_a_hand_computed_case():
+    """S = 2. A: 3-token prompt, 3 new tokens; B: 1-token prompt, 1 new token; both admitted at step 1.
+    Per step (held = tokens whose K/V are written, reserved = allocated blocks x 2):
+      step 1: A holds 3 in 2 blocks, B holds 1 in 1 block -> 4 / 6 (B finishes, frees its block)
+      step 2: A holds 4 in 2 blocks                        -> 4 / 4
+      step 3: A holds 5 in 3 blocks                        -> 5 / 6 (A finishes)
+    mean = (4/6 + 4/4 + 5/6) / 3 = 2.5 / 3; the peak (6 slots) is first reached at step 1: 4 / 6."""
+    engine = L4Engine(fake_model(), 2, 8, max_running=2, runner=FakeRunner(2, 8))
+    engine.add_request([1, 2, 3], StopRule(3))
+    engine.add_request([4], StopRule(1))
+    while engine.scheduler.has_work():
+        engine.step()
+    stats = engine.stats
+    assert (stats.tokens_held, stats.slots_reserved, stats.running) == ([4, 4, 5], [6, 4, 6], [2, 1, 1])
+    assert stats.utilization_mean == pytest.approx(2.5 / 3)
+    assert stats.utilization_at_peak == pytest.approx(4 / 6)

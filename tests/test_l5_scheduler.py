@@ -33,6 +33,16 @@ def check_pool_and_host(engine) -> None:
     assert host.num_free + len(owners) == host.num_blocks
 
 
+def check_arrival_order(engine) -> None:
+    """Running is sorted by arrival and arrived before every queued request (so the victim is its last)."""
+    check_pool_and_host(engine)
+    sched = engine.scheduler
+    running = [s.seq_id for s in sched.running]
+    queued = [s.seq_id for s in list(sched.waiting) + list(sched.swapped)]
+    assert running == sorted(running)
+    assert not running or not queued or max(running) < min(queued), (running, queued)
+
+
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workloads_under_pressure(policy, seed):
@@ -43,7 +53,7 @@ def test_random_workloads_under_pressure(policy, seed):
                       runner=FakeRunner(block_size, num_blocks), policy=policy, host_blocks=host_blocks)
     cap = num_blocks * block_size
     workload = random_workload(rng, 20, max_prompt=max(1, cap // 3), max_new=max(1, cap // 2), span=20)
-    seqs = drive(engine, workload, check_pool_and_host)
+    seqs = drive(engine, workload, check_arrival_order)
     for seq, a in zip(seqs, workload):
         assert seq.status is Status.FINISHED and seq.output_ids == expected(a)
     assert engine.allocator.num_free == num_blocks
@@ -52,7 +62,7 @@ def test_random_workloads_under_pressure(policy, seed):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
-def test_the_most_recently_admitted_request_is_preempted(policy):
+def test_the_running_request_that_arrived_last_is_preempted(policy):
     engine = L5Engine(fake_model(), 2, 4, runner=FakeRunner(2, 4), policy=policy)
     old = engine.add_request([1, 2, 3], StopRule(6))  # prompt: 2 blocks; grows to 4
     engine.step()
@@ -96,3 +106,51 @@ def test_the_victim_is_the_newest_running_request_not_the_next_in_line():
     while engine.scheduler.has_work():
         engine.step()
     assert [s.output_ids for s in (a, b, c)] == [reference([1, 2, 3, 4], 6), reference([5], 6), reference([6], 6)]
+
+
+def test_a_small_host_pool_does_not_let_a_younger_swapped_request_starve_an_older_one():
+    """host_blocks=1: the first victim falls back to recompute (waiting), a later one is swapped. The old
+    rule served `swapped` first, so the younger request overtook the older one, which was then the newest
+    running request and was preempted again and again. Arrival order must hold across both queues."""
+    engine = L5Engine(fake_model(), 1, 8, runner=FakeRunner(1, 8), policy="swap", host_blocks=1)
+    prompts = [[1, 2], [3], [4], [5]]
+    seqs = [engine.add_request(p, StopRule(6)) for p in prompts]
+    admissions: list[int] = []
+    preempted_at: dict[int, int] = {s.seq_id: 0 for s in seqs}
+    while engine.scheduler.has_work():
+        before = {s.seq_id for s in engine.scheduler.running}
+        engine.step()
+        check_arrival_order(engine)
+        admissions += [s.seq_id for s in engine.scheduler.running if s.seq_id not in before]
+        for s in seqs:
+            preempted_at[s.seq_id] += s.seq_id in before and s.status in (Status.WAITING, Status.SWAPPED)
+    assert (engine.stats.preemptions, engine.stats.swaps_out) == (5, 1)  # both queues were used
+    # Every readmission takes the oldest queued request (the old rule went 0 1 2 3 3 3 1 1 2 2).
+    assert admissions == [0, 1, 2, 3, 1, 2, 2, 3, 3]
+    assert preempted_at == {0: 0, 1: 1, 2: 2, 3: 2}  # the old rule preempted 1 twice, for 3's sake
+    assert [s.finished_at for s in seqs] == [6, 9, 12, 15]  # in arrival order (old: 3 finished before 1)
+    assert all(s.output_ids == reference(p, 6) for s, p in zip(seqs, prompts))
+
+
+def test_exact_queues_after_each_preemption():
+    """Same workload as above: each victim is the last running request, and goes to the front of its queue."""
+    engine = L5Engine(fake_model(), 1, 8, runner=FakeRunner(1, 8), policy="swap", host_blocks=1)
+    for prompt in [[1, 2], [3], [4], [5]]:
+        engine.add_request(prompt, StopRule(6))
+    queues = []  # (running, waiting, swapped) seq_ids after each of the first 10 steps
+    for _ in range(10):
+        engine.step()
+        sched = engine.scheduler
+        queues.append(tuple([s.seq_id for s in q] for q in (sched.running, sched.waiting, sched.swapped)))
+    assert queues == [
+        ([0, 1, 2, 3], [], []),
+        ([0, 1, 2], [], [3]),  # 3 swapped out into the one host block
+        ([0, 1], [2], [3]),  # host full: 2 falls back to recompute
+        ([0], [1, 2], [3]),
+        ([0], [1, 2], [3]),
+        ([], [1, 2], [3]),  # 0 finished
+        ([1, 2], [], [3]),  # 1 and 2 arrived before 3: they go first although 3 is swapped
+        ([1], [2], [3]),
+        ([], [2], [3]),
+        ([2, 3], [], []),  # 2, then 3 swapped back in
+    ]

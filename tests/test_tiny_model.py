@@ -1,4 +1,6 @@
-"""The embedded model: real Qwen3 tokenizer, HF-loadable, deterministic, and sensitive to KV bugs."""
+"""The embedded model: real Qwen3 tokenizer, HF-loadable, deterministic, and sensitive to KV and norm bugs."""
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -75,3 +77,48 @@ def test_decode_positions_off_by_one_change_the_tokens(tiny_model, sentence):
     # Shifting *every* position is invisible (RoPE sees only distances); the real bug shifts decode steps only.
     assert greedy(tiny_model, sentence, 20, decode_shift=1) != greedy(tiny_model, sentence, 20)
     assert greedy(tiny_model, sentence, 20, decode_shift=-1) != greedy(tiny_model, sentence, 20)
+
+
+
+# Norm-wiring bugs: each norm's gains differ per channel, per norm and per layer, so using the wrong one
+# rescales some channels and not others, and the tokens change. With uniform gains these were invisible.
+
+
+@contextmanager
+def planted(module: torch.nn.Module, **swaps: torch.nn.Module):
+    """Rewire submodules for the duration of a test. Not monkeypatch: it looks for the old value in the
+    instance __dict__, where torch keeps no submodules, so its undo deletes the submodule and the shared
+    session model stays broken for every later test."""
+    old = {name: getattr(module, name) for name in swaps}
+    for name, new in swaps.items():
+        setattr(module, name, new)
+    try:
+        yield
+    finally:
+        for name, orig in old.items():
+            setattr(module, name, orig)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2, 3])
+def test_q_norm_applied_to_k_changes_the_tokens(tiny_model, sentence, layer):
+    clean = greedy(tiny_model, sentence, 20)
+    attn = tiny_model.model.layers[layer].self_attn
+    with planted(attn, k_norm=attn.q_norm):
+        assert greedy(tiny_model, sentence, 20) != clean
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2, 3])
+def test_swapped_input_and_post_attention_norms_change_the_tokens(tiny_model, sentence, layer):
+    clean = greedy(tiny_model, sentence, 20)
+    block = tiny_model.model.layers[layer]
+    with planted(block, input_layernorm=block.post_attention_layernorm, post_attention_layernorm=block.input_layernorm):
+        assert greedy(tiny_model, sentence, 20) != clean
+
+
+@pytest.mark.parametrize(("owner", "user"), [(0, 2), (3, 1)])
+def test_one_layers_norms_used_in_another_change_the_tokens(tiny_model, sentence, owner, user):
+    clean = greedy(tiny_model, sentence, 20)
+    src, dst = tiny_model.model.layers[owner], tiny_model.model.layers[user]
+    with planted(dst, input_layernorm=src.input_layernorm, post_attention_layernorm=src.post_attention_layernorm), \
+            planted(dst.self_attn, q_norm=src.self_attn.q_norm, k_norm=src.self_attn.k_norm):
+        assert greedy(tiny_model, sentence, 20) != clean

@@ -25,9 +25,15 @@ class BlockAllocator:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        # Check everything before touching anything, so a bad call leaves the pool as it was.
+        # These are bookkeeping bugs, not bad input: callers only free ids they were given.
+        seen: set[int] = set()
         for b in blocks:
-            if self._is_free[b]:
-                raise ValueError(f"block {b} freed twice")  # a bookkeeping bug, not bad input
+            if not 0 <= b < self.num_blocks:  # -1 would silently index _is_free from the end
+                raise ValueError(f"block {b} is not in this pool (0..{self.num_blocks - 1})")
+            if self._is_free[b] or b in seen:
+                raise ValueError(f"block {b} freed twice")
+            seen.add(b)
         for b in blocks:
             self._is_free[b] = True
             self._free.append(b)  # to the back: a just-freed block is reused last, so stale reads show

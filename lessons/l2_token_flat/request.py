@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from lessons.l2_token_flat.block_allocator import BlockAllocator
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-wise, equality: two requests with equal prompts are two requests
 class Request:
     prompt_ids: list[int]
     block_size: int

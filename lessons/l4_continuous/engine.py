@@ -7,14 +7,16 @@ import torch
 
 from lessons.l2_token_flat.engine import pool_blocks
 from lessons.l3_block_tensor.runner import PagedRunner
-from lessons.l4_continuous.sampling import SamplingParams, sample
+from lessons.l4_continuous.sampling import SEED_LIMIT, SamplingParams, check_seed, sample
 from lessons.l4_continuous.scheduler import Scheduler
 from lessons.l4_continuous.sequence import Sequence
 from lessons.l4_continuous.stats import EngineStats
+from shared.errors import CourseError
 from shared.generation import StopRule, check_prompt
 from shared.model import Qwen3ForCausalLM
 
 DEFAULT_MAX_RUNNING = 64
+SEED_STRIDE = 1_000_003  # an unseeded request samples with (engine seed * SEED_STRIDE + request id) mod 2**64
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class L4Engine:
     def __init__(self, model: Qwen3ForCausalLM, block_size: int = 16, num_blocks: int | None = None,
                  max_running: int = DEFAULT_MAX_RUNNING, backend: str = "auto", seed: int = 0,
                  runner: PagedRunner | None = None):
+        check_seed(seed, "engine seed")
         num_blocks = pool_blocks(block_size, num_blocks)
         self.model, self.block_size, self.seed = model, block_size, seed
         # `runner` lets tests drive the scheduler with a fake model; normally it is L3's paged runner.
@@ -46,15 +49,24 @@ class L4Engine:
 
     def add_request(self, prompt_ids: list[int], stop: StopRule, sampling: SamplingParams = SamplingParams()) -> Sequence:
         """Validate and queue. Bad input raises CourseError and leaves the engine exactly as it was."""
-        check_prompt(prompt_ids, stop, self.model.config)
+        self.check_request(prompt_ids, stop, sampling)
         seq = Sequence(list(prompt_ids), self.block_size, seq_id=self._next_id, arrival=self.clock,
                        stop=stop, sampling=sampling)
-        self.scheduler.add(seq)  # raises for a request larger than the whole pool
+        if not sampling.greedy:  # before queueing: no queued sampled request is ever without its generator
+            seq.generator = self.generator_for(seq.seq_id, sampling.seed)
+        self.scheduler.add(seq)  # the last check: a request larger than the whole pool; changes nothing
         self._next_id += 1
-        if not sampling.greedy:
-            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + seq.seq_id
-            seq.generator = torch.Generator(device=self.runner_device).manual_seed(seed)
         return seq
+
+    def check_request(self, prompt_ids: list[int], stop: StopRule, sampling: SamplingParams) -> None:
+        check_prompt(prompt_ids, stop, self.model.config)
+        check_token_ids(prompt_ids, sampling.stop_token_ids, self.model.config.vocab_size)
+
+    def generator_for(self, seq_id: int, seed: int | None) -> torch.Generator:
+        """A sampled request's own RNG: its seed, or one derived from the engine's seed and its id."""
+        if seed is None:
+            seed = (self.seed * SEED_STRIDE + seq_id) % SEED_LIMIT
+        return torch.Generator(device=self.runner_device).manual_seed(seed)
 
     @property
     def runner_device(self) -> torch.device:
@@ -90,3 +102,12 @@ class L4Engine:
                        stagger: int = 0) -> list[list[int]]:
         """Request i arrives at step stagger * i (0: all at once)."""
         return self.run([Arrival(p, stop, sampling, stagger * i) for i, p in enumerate(prompts)])
+
+
+def check_token_ids(prompt_ids: list[int], stop_token_ids: frozenset[int], vocab_size: int) -> None:
+    """An id outside the vocabulary would fail inside every later forward, taking the whole batch with it;
+    a stop id outside it could never match, so it is refused as the typo it most likely is."""
+    for what, ids in (("prompt", prompt_ids), ("stop", stop_token_ids)):
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise CourseError(f"{what} token id {token!r} is outside the vocabulary (vocab size {vocab_size})")

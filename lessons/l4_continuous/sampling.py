@@ -1,16 +1,30 @@
 """Per-request sampling: greedy, temperature, top-k, top-p, each request drawing from its own seeded RNG.
 
-Batch invariance is the design constraint: a seeded request must sample the same tokens alone or in any
-crowd. So every sampled row is processed on its own, in fp32, and consumes exactly one uniform number
-from its own `torch.Generator` per generated token, whatever else is in the batch.
+Batch invariance is the design constraint: a seeded request given the same logits must sample the same
+tokens alone or in any crowd. So every sampled row is processed on its own, in fp32, and consumes exactly
+one uniform number from its own `torch.Generator` per generated token, whatever else is in the batch.
+The filters are HF's logits warpers, in HF's order, ties included, so the kept support is HF's.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from shared.errors import CourseError
+
+# torch's manual_seed takes -2**63 .. 2**64 - 1, but wraps negatives (-1 seeds like 2**64 - 1); refusing
+# them keeps one seed, one stream.
+SEED_LIMIT = 2**64
+# Below this (the smallest normal fp32) a temperature would round to 0 or a subnormal when the row is
+# divided in fp32; dividing by it instead already gives every token below the top probability 0.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
+
+def check_seed(seed: object, what: str = "seed") -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise CourseError(f"{what} must be an integer in [0, 2**64 - 1], got {seed!r}")
 
 
 @dataclass(frozen=True)
@@ -22,12 +36,14 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()  # stop (and keep the token) on any of these, even with ignore-eos
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise CourseError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise CourseError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise CourseError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise CourseError(f"top-k must be >= 0 (0 disables it), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise CourseError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -35,31 +51,49 @@ class SamplingParams:
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row of logits [V] -> (probabilities, token ids) of the kept support, most likely first.
+    """One row of logits [V] -> (probabilities, token ids) of the kept support, in token-id order.
 
-    Order: temperature, then top-k, then top-p on the renormalised top-k distribution (as HF and vLLM do).
+    As HF's warpers: temperature, then top-k (every token tied with the k-th stays), then top-p on what
+    top-k left. The support is exactly the tokens left with nonzero probability.
     """
-    scaled = logits.float() / p.temperature
-    k = scaled.numel() if p.top_k == 0 else min(p.top_k, scaled.numel())
-    values, ids = torch.topk(scaled, k)  # sorted, descending
-    probs = torch.softmax(values, dim=-1)
-    if p.top_p < 1.0:
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep = int((mass_before < p.top_p).sum())  # smallest prefix whose mass reaches top_p; always >= 1
-        probs, ids = probs[:keep], ids[:keep]
-        probs = probs / probs.sum()
-    return probs, ids
+    row = logits.float()
+    # Softmax ignores a shift. Shifting first puts the top token at exactly 0, so a tiny temperature sends
+    # the rest towards -inf (probability 0) instead of overflowing to inf and giving inf - inf = NaN.
+    scaled = (row - row.max()) / max(p.temperature, MIN_TEMPERATURE)
+    if p.top_k:
+        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    if p.top_p < 1:
+        ascending, order = torch.sort(scaled, stable=True)
+        # HF's rule: drop the least likely tokens while their mass stays <= 1 - top_p; the top one always stays
+        drop = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - p.top_p
+        drop[-1] = False
+        scaled = scaled.index_fill(0, order[drop], -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    ids = probs.nonzero().flatten()
+    return probs[ids], ids
+
+
+def pick(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> int:
+    """Inverse CDF: the first kept token whose cumulative mass exceeds u (a uniform in [0, 1)).
+
+    The CDF runs in token-id order, as torch.multinomial's CPU kernel does: a tiny change in the logits
+    then moves each boundary a tiny amount. Sorting by probability instead would let two nearly tied
+    tokens swap places and move a boundary by a whole token's mass.
+    """
+    cdf = torch.cumsum(probs, dim=-1)
+    idx = torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True)
+    return int(ids[int(idx.clamp(max=ids.numel() - 1))])
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     if p.greedy:
         return int(logits.argmax())
+    if generator is None:  # the global RNG would tie this request's draws to everything else that uses it
+        raise ValueError("a sampled row needs its own torch.Generator")
     probs, ids = filtered_probs(logits, p)
-    u = torch.rand(1, generator=generator, device=generator.device if generator else logits.device)
-    # Inverse CDF: the first token whose cumulative mass exceeds u. One draw per token, always.
-    cdf = torch.cumsum(probs, dim=-1)
-    idx = int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True).clamp(max=probs.numel() - 1))
-    return int(ids[idx])
+    u = torch.rand(1, generator=generator, device=generator.device)  # one draw per token, always
+    return pick(probs, ids, u)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

@@ -20,17 +20,18 @@ class Scheduler:
         if max_running < 1:
             raise CourseError(f"max-running must be at least 1, got {max_running}")
         self.allocator, self.block_size, self.max_running = allocator, block_size, max_running
+        self.capacity = allocator.num_blocks  # the most blocks requests can ever hold (L7 keeps one back)
         self.waiting: deque[Sequence] = deque()  # FIFO: the head blocks the line until it fits
         self.running: list[Sequence] = []  # admission order: the last one is the most recently admitted
         self.step_no = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; refuse at once one the whole pool could never hold (nothing is changed then)."""
-        if seq.max_blocks > self.allocator.num_blocks:
+        if seq.max_blocks > self.capacity:
             raise CourseError(
                 f"request {seq.seq_id}: prompt ({len(seq.prompt_ids)} tokens) + max-new-tokens "
                 f"({seq.stop.max_new_tokens}) needs {seq.max_blocks} blocks of {self.block_size} tokens; "
-                f"the whole pool has {self.allocator.num_blocks}"
+                f"the whole pool has {self.capacity}"
             )
         seq.status = Status.WAITING
         self.waiting.append(seq)

@@ -19,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"  # retired, blocks returned
 
 
-@dataclass(eq=False)  # identity equality: two requests with the same prompt are still two requests
+@dataclass(eq=False)  # keep Request's identity equality (eq=True here would compare fields again)
 class Sequence(Request):
     seq_id: int = 0
     arrival: int = 0  # engine step at which it was submitted

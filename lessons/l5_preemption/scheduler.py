@@ -2,12 +2,15 @@
 
 L4 admitted a request only if the blocks it could *ever* need were promised, so decode never stalled,
 but most of those promised blocks sit unused most of the time. L5 admits on the blocks a request needs
-*now* (its prompt) and pays when the pool runs dry mid-decode: the most recently admitted request is
-preempted, by one of two policies:
+*now* (its prompt) and pays when the pool runs dry mid-decode: the running request that arrived last
+(highest seq_id, given in submission order) is preempted, by one of two policies:
   recompute - free its blocks, put it at the head of the waiting queue; on readmission its prompt plus
               the tokens it already generated are prefilled again (compute traded for memory);
   swap      - copy its blocks to host memory, free them; copy them back into fresh blocks later
               (PCIe traffic traded for compute). Falls back to recompute when host space runs out.
+Order is arrival order across both queues: admission takes the older of the heads of `swapped` and
+`waiting`, and if it does not fit nothing younger goes ahead. So every running request arrived before
+every queued one, `running` stays sorted by arrival, and its last entry is always the victim.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class PreemptingScheduler(Scheduler):
         if policy not in POLICIES:
             raise CourseError(f"unknown preemption policy {policy!r}: use recompute or swap")
         self.policy, self.host, self.stats = policy, host, stats
-        self.swapped: deque[Sequence] = deque()  # their KV is on the host; readmitted before `waiting`
+        self.swapped: deque[Sequence] = deque()  # their KV is on the host; arrival order, like `waiting`
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -47,9 +50,9 @@ class PreemptingScheduler(Scheduler):
                     kept.append(seq)
                     break
                 except PoolExhausted:
-                    if todo:  # evict the most recently admitted one still unplaced, then retry
+                    if todo:  # evict the last-arrived one still unplaced, then retry
                         self.preempt(todo.pop())
-                    elif kept:  # seq itself is now the most recent: it yields to the older ones
+                    elif kept:  # seq itself arrived last of those left: it yields to the older ones
                         self.preempt(seq)
                         break
                     else:  # alone with the whole pool and still no room: waiting would hang forever
@@ -64,18 +67,20 @@ class PreemptingScheduler(Scheduler):
         return list(self.running)
 
     def admit(self) -> None:
-        """Swapped requests first (they were running before anything waiting), then waiting, both FIFO."""
-        while self.swapped and len(self.running) < self.max_running and self.fits_now(self.swapped[0]):
-            seq = self.swapped.popleft()
+        """Oldest arrival first across both queues: swap in a swapped one, prefill a waiting one."""
+        while len(self.running) < self.max_running:
+            heads = [queue for queue in (self.swapped, self.waiting) if queue]
+            if not heads:
+                return
+            queue = min(heads, key=lambda q: q[0].seq_id)
+            seq = queue[0]
+            if not self.fits_now(seq):
+                return  # head of line: nothing younger overtakes it, or the oldest could starve
+            queue.popleft()
             seq.reserve(seq.num_tokens, self.allocator)
-            self.host.swap_in(seq.extra.pop("host_blocks"), seq.blocks)
-            self.stats.swaps_in += 1
-            self._run(seq)
-        if self.swapped:
-            return  # keep the order: nothing overtakes a request that was already running
-        while self.waiting and len(self.running) < self.max_running and self.fits_now(self.waiting[0]):
-            seq = self.waiting.popleft()
-            seq.reserve(seq.num_tokens, self.allocator)
+            if queue is self.swapped:
+                self.host.swap_in(seq.extra.pop("host_blocks"), seq.blocks)
+                self.stats.swaps_in += 1
             self._run(seq)
 
     def fits_now(self, seq: Sequence) -> bool:
@@ -83,7 +88,7 @@ class PreemptingScheduler(Scheduler):
 
     def _run(self, seq: Sequence) -> None:
         seq.status, seq.admitted_at = Status.RUNNING, self.step_no
-        self.running.append(seq)
+        self.running.append(seq)  # it arrived after every running one, so `running` stays in arrival order
 
     def preempt(self, seq: Sequence) -> None:
         self.stats.preemptions += 1
@@ -92,10 +97,10 @@ class PreemptingScheduler(Scheduler):
             seq.extra["host_blocks"] = self.host.swap_out(used)
             self.stats.swaps_out += 1
             seq.status = Status.SWAPPED
-            self.swapped.appendleft(seq)  # preempted newest-first, so the oldest ends up at the front
+            self.swapped.appendleft(seq)  # it arrived before every queued request: the front keeps order
         else:
             seq.num_cached = 0  # its KV is dropped: everything is prefilled again on readmission
             seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            self.waiting.appendleft(seq)  # same reason: the front keeps arrival order
         self.allocator.free(seq.blocks)
         seq.blocks = []
