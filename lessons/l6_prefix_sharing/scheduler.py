@@ -1,0 +1,109 @@
+"""L6's scheduler: L5's (recompute preemption), with admission that reuses cached prefix blocks,
+registration of blocks once their K/V is written, and forks for parallel sampling.
+
+A request's bookkeeping in `seq.extra`: "keys", the hash-chain keys of its full blocks (tokens only grow,
+so they never go stale); "registered", how many of its leading blocks are hits or were offered to the
+cache; "forks", the sibling sequences (n > 1) waiting for this one's prefill.
+"""
+from __future__ import annotations
+
+from lessons.l2_token_flat.engine import blocks_for
+from lessons.l5_preemption.scheduler import PreemptingScheduler
+from lessons.l6_prefix_sharing.block_manager import RefBlockManager
+from lessons.l6_prefix_sharing.prefix_cache import chain_keys
+from lessons.l6_prefix_sharing.sequence import SharedSequence
+from lessons.l6_prefix_sharing.stats import PrefixStats
+
+
+class PrefixScheduler(PreemptingScheduler):
+    def __init__(self, manager: RefBlockManager, block_size: int, max_running: int, stats: PrefixStats,
+                 wait_for_inflight: bool = True):
+        super().__init__(manager, block_size, max_running, "recompute", None, stats)
+        self.cache, self.wait_for_inflight = manager.cache, wait_for_inflight
+
+    def keys(self, seq: SharedSequence, upto: int) -> list[int]:
+        return chain_keys(seq.all_tokens(), seq.extra.setdefault("keys", []), self.block_size, upto, self.cache.hash_fn)
+
+    def match(self, seq: SharedSequence) -> list[int]:
+        """The longest chain of cached blocks that is a prefix of the request's tokens. At most
+        (num_tokens - 1) // S blocks: at least one token is always left to feed (its logits give the next
+        token), and it lands in a fresh block, never in a shared full one."""
+        tokens, S = seq.all_tokens(), self.block_size
+        limit = (len(tokens) - 1) // S
+        hits = []
+        for i, key in enumerate(self.keys(seq, limit)):
+            block = self.cache.lookup(key, tuple(tokens[:(i + 1) * S]))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self) -> None:
+        """Waiting requests in queue order (no swap in L6): cached prefix shared, only the rest allocated."""
+        inflight = self.inflight_keys() if self.wait_for_inflight else set()
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            hits, limit = self.match(seq), (seq.num_tokens - 1) // self.block_size
+            if len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight:
+                return  # its next block is being computed in this very step: one step later it is a hit
+            fresh = blocks_for(seq.num_tokens, self.block_size) - len(hits)
+            if fresh + self.revived(hits) > self.allocator.num_free:
+                return
+            self.waiting.popleft()
+            self.allocator.share(hits)  # first: alloc below must not evict the blocks just hit
+            seq.blocks = hits + self.allocator.alloc(fresh)
+            seq.num_cached = len(hits) * self.block_size  # BatchMeta feeds num_cached .. num_tokens - 1
+            seq.extra["registered"] = len(hits)
+            self.stats.prompt_tokens += seq.num_tokens
+            self.stats.cached_tokens += seq.num_cached
+            self.stats.prefill_tokens += seq.num_tokens - seq.num_cached
+            self._run(seq)
+            if self.wait_for_inflight:
+                inflight |= self.pending_keys(seq)
+
+    def pending_keys(self, seq: SharedSequence) -> set[int]:
+        """Keys of the blocks this step's forward fills for `seq` (not cached yet: not written yet)."""
+        full, done = seq.num_tokens // self.block_size, seq.extra.get("registered", 0)
+        return set(self.keys(seq, full)[done:full]) if full > done else set()
+
+    def inflight_keys(self) -> set[int]:
+        return set().union(*(self.pending_keys(s) for s in self.running))
+
+    def revived(self, hits: list[int]) -> int:
+        """Hits nobody holds are counted in num_free (evictable); sharing them takes them out of it."""
+        return sum(1 for b in hits if self.allocator.ref[b] == 0)
+
+    def fits_now(self, seq: SharedSequence) -> bool:
+        hits = self.match(seq)
+        return blocks_for(seq.num_tokens, self.block_size) - len(hits) + self.revived(hits) <= self.allocator.num_free
+
+    def preempt(self, seq: SharedSequence) -> None:
+        super().preempt(seq)  # recompute: references returned, num_cached = 0; its cached blocks stay cached
+        seq.extra["registered"] = 0
+
+    def register_written(self, batch: list[SharedSequence]) -> None:
+        """After the forward: every block a request has now filled (num_cached // S of them) enters the
+        cache. Never earlier: a block registered at allocation could be hit before its K/V exists."""
+        for seq in batch:
+            full, done = seq.num_cached // self.block_size, seq.extra.get("registered", 0)
+            if full <= done:
+                continue
+            tokens = seq.all_tokens()
+            keys = self.keys(seq, full)
+            for i in range(done, full):
+                self.cache.register(seq.blocks[i], keys[i], tuple(tokens[:(i + 1) * self.block_size]))
+            seq.extra["registered"] = full
+
+    def fork(self, parent: SharedSequence) -> list[SharedSequence]:
+        """Parallel sampling: right after the parent's prefill, its siblings join holding the same blocks,
+        the partly filled last one included. Whoever writes into that one first copies it (reserve)."""
+        children = parent.extra.pop("forks", [])
+        for child in children:
+            self.allocator.share(parent.blocks)
+            child.blocks, child.num_cached = list(parent.blocks), parent.num_cached
+            child.extra["keys"] = list(parent.extra.get("keys", []))
+            child.extra["registered"] = parent.extra.get("registered", 0)
+            self._run(child)
+        if children:  # siblings take their ids' place, so `running` stays in arrival order (L5's victim rule)
+            self.running.sort(key=lambda s: s.seq_id)
+        return children
