@@ -30,7 +30,8 @@ def build_engines(model, args):
 def parser():
     p = smoke_parser("L3", __doc__, blocks=True, default_prompts=DEFAULT_PROMPTS)
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="attention kernels: flashinfer (CUDA), torch (anywhere), auto (flashinfer when it can run)")
+                   help="attention kernels: flashinfer (CUDA), batched (one call for all decodes, anywhere), "
+                        "torch (the per-request oracle), auto (flashinfer when it can run, else batched)")
     return p
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lessons.l3_block_tensor.backends import TorchBackend, make_backend
+from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend, make_backend
 from lessons.l3_block_tensor.backends.flashinfer_args import unsupported_reason, use_tensor_cores
 from shared.errors import CourseError
 
@@ -23,9 +23,11 @@ def smoke(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/l3_smoke.py", *args], cwd=ROOT, capture_output=True, text=True)
 
 
-def test_cpu_gets_the_torch_backend(tiny_model):
+def test_cpu_gets_the_batched_backend_and_torch_is_the_oracle(tiny_model):
     cfg = tiny_model.config
-    assert isinstance(make_backend("auto", cfg, torch.float32, CPU), TorchBackend)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert isinstance(make_backend("auto", cfg, dtype, CPU), BatchedBackend)
+    assert isinstance(make_backend("batched", cfg, torch.float32, CPU), BatchedBackend)
     assert isinstance(make_backend("torch", cfg, torch.float32, CPU), TorchBackend)
 
 

@@ -1,0 +1,116 @@
+"""Time the batched CPU backend against the torch oracle, in one process, and print the ratio.
+
+Part 1: one layer's `run` on a decode batch (random K/V in scattered pages), both backends timed in
+alternating rounds so a busy machine slows both alike. Part 2 (--engine): a whole L4 run on the
+embedded model with each backend, checking the tokens are identical. Pin the thread count
+(OMP_NUM_THREADS=1) and report `uptime` beside the numbers: the ratio is the claim, not the times.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lessons.l2_token_flat.request import Request
+from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend
+from lessons.l3_block_tensor.batch_meta import BatchMeta
+
+
+def decode_batch(args: argparse.Namespace) -> tuple[BatchMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`requests` decodes with histories evenly spread over min..max history, pages shuffled over the pool."""
+    g = torch.Generator().manual_seed(0)
+    step = (args.max_history - args.min_history) / max(1, args.requests - 1)
+    histories = [round(args.min_history + i * step) for i in range(args.requests)]
+    num_blocks = sum(-(-n // args.block_size) for n in histories)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    reqs = [Request(list(range(n)), args.block_size, blocks=[free.pop() for _ in range(-(-n // args.block_size))],
+                    num_cached=n - 1) for n in histories]
+    meta = BatchMeta.build(reqs, args.block_size, torch.device("cpu"))
+    shape = (num_blocks, args.block_size, args.hkv, args.head_dim)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return meta, torch.randn(args.requests, args.hq, args.head_dim, generator=g), k, v
+
+
+def alternate(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each fn, measured in alternating rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up: first-call allocations and lazy init stay out of the numbers
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def layer_run(args: argparse.Namespace) -> None:
+    meta, q, k, v = decode_batch(args)
+    oracle, batched = TorchBackend(), BatchedBackend()
+    oracle.plan(meta)
+    batched.plan(meta)
+    torch.testing.assert_close(batched.run(q, k, v, meta), oracle.run(q, k, v, meta), rtol=1e-5, atol=1e-5)
+    t = alternate({"torch": lambda: oracle.run(q, k, v, meta), "batched": lambda: batched.run(q, k, v, meta)},
+                  args.rounds, args.calls)
+    print(f"one layer's run(): {args.requests} decodes, histories {args.min_history}..{args.max_history}, "
+          f"S={args.block_size}, Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, fp32, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"  torch (oracle) {t['torch'] * 1e3:8.3f} ms   batched {t['batched'] * 1e3:8.3f} ms   "
+          f"batched is {t['torch'] / t['batched']:.2f}x the oracle's speed")
+
+
+def engine_run(args: argparse.Namespace) -> None:
+    from lessons.l4_continuous import L4Engine
+    from shared.generation import StopRule
+    from shared.model import Qwen3ForCausalLM
+    from shared.tiny_qwen3 import default_model_dir
+
+    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    step = (args.max_history - args.min_history) / max(1, args.requests - 1)
+    prompts = [torch.randint(0, 151_000, (round(args.min_history + i * step),), generator=g).tolist()
+               for i in range(args.requests)]
+    stop = StopRule(args.new_tokens, ignore_eos=True)
+    # Room for every request at once: backpressure would change the batches the two backends see.
+    num_blocks = sum(-(-(len(p) + args.new_tokens) // args.block_size) for p in prompts)
+    out: dict[str, list[list[int]]] = {}
+
+    def run(name: str) -> Callable[[], None]:
+        def go() -> None:
+            out[name] = L4Engine(model, args.block_size, num_blocks, backend=name).generate_batch(prompts, stop)
+        return go
+
+    t = alternate({"torch": run("torch"), "batched": run("batched")}, rounds=args.engine_rounds, calls=1)
+    assert out["torch"] == out["batched"], "the backends disagree on the tokens"
+    print(f"whole L4 run: embedded model, {args.requests} prompts of {args.min_history}..{args.max_history} tokens, "
+          f"{args.new_tokens} new tokens each, S={args.block_size}: identical tokens")
+    print(f"  torch (oracle) {t['torch']:8.3f} s    batched {t['batched']:8.3f} s    "
+          f"batched is {t['torch'] / t['batched']:.2f}x the oracle's speed")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--min-history", type=int, default=32)
+    p.add_argument("--max-history", type=int, default=640)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hq", type=int, default=8)
+    p.add_argument("--hkv", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median is reported")
+    p.add_argument("--calls", type=int, default=20, help="run() calls per round")
+    p.add_argument("--engine", action="store_true", help="also time a whole L4 run on the embedded model")
+    p.add_argument("--new-tokens", type=int, default=16, help="new tokens per request in the --engine run")
+    p.add_argument("--engine-rounds", type=int, default=3)
+    args = p.parse_args()
+    layer_run(args)
+    if args.engine:
+        engine_run(args)
+
+
+if __name__ == "__main__":
+    main()
