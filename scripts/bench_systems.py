@@ -1,5 +1,5 @@
 """The benchmark's workload and the systems it runs through: HF generate (alone / padded static batches),
-HF's own continuous batching (generate_batch's manager), and the course's L3, L4 and L5 engines.
+HF's own continuous batching (generate_batch's manager), and the course's L3, L4, L5 and L6 engines.
 
 Every system gets the same requests (prompt token IDs, exact output length, greedy, EOS ignored) and
 reports the same record, so one table can compare them. Only output tokens a request asked for count:
@@ -18,6 +18,7 @@ from lessons.l3_block_tensor import L3Engine
 from lessons.l4_continuous import L4Engine
 from lessons.l4_continuous.stats import EngineStats
 from lessons.l5_preemption import L5Engine
+from lessons.l6_prefix_sharing import L6Engine
 from shared.generation import StopRule
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
@@ -38,7 +39,10 @@ class Result:
     util_peak: float | None = None  # the same ratio at the step that reserved the most
     peak_running: int | None = None
     preemptions: int | None = None
+    prefill_tokens: int | None = None  # tokens computed outside decode (prefills and re-prefills)
+    cached_tokens: int | None = None  # L6: prompt tokens served from the prefix cache
     error: str | None = None
+    timeline: list[dict[int, int]] | None = None  # L4 / L5 with --plot: per step, seq_id -> blocks held
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -51,6 +55,34 @@ def make_workload(n: int, prompt_len: tuple[int, int], new_tokens: tuple[int, in
     top = min(vocab, 151643)  # ordinary tokens only: no special ids in the prompts
     lengths = [(rng.randint(*prompt_len), rng.randint(*new_tokens)) for _ in range(n)]
     return [Job([tokens.randrange(top) for _ in range(p)], o) for p, o in lengths]
+
+
+def make_shared_prefix_workload(n: int, prefix_len: int, unique_len: tuple[int, int], new_tokens: tuple[int, int],
+                                vocab: int, seed: int) -> list[Job]:
+    """n requests that start with one system prompt of prefix_len tokens, then unique_len tokens of their own."""
+    rng, tokens = random.Random(seed), random.Random(seed + 1)
+    top = min(vocab, 151643)
+    system = [tokens.randrange(top) for _ in range(prefix_len)]
+    lengths = [(rng.randint(*unique_len), rng.randint(*new_tokens)) for _ in range(n)]
+    return [Job(system + [tokens.randrange(top) for _ in range(u)], o) for u, o in lengths]
+
+
+def count_prefill(runner) -> list[int]:
+    """Wrap a paged runner's forward to count prefill tokens the same way for every lesson: a request fed
+    right where its last forward left it is decoding; every other token fed is prefill work."""
+    forward, last, total = runner.forward, {}, [0]
+
+    def counted(requests):
+        for r in requests:
+            if last.get(id(r)) != r.num_cached:
+                total[0] += r.num_tokens - r.num_cached
+        logits = forward(requests)
+        for r in requests:
+            last[id(r)] = r.num_cached
+        return logits
+
+    runner.forward = counted
+    return total
 
 
 def stop_for(job: Job) -> StopRule:
@@ -154,9 +186,11 @@ def l3_static(model, jobs: list[Job], batch: int, block_size: int, backend: str,
     return r
 
 
-def paged(engine: L4Engine, name: str, jobs: list[Job], progress: Progress) -> Result:
-    """L4 / L5: every request submitted at once (an offline batch); the scheduler decides who runs."""
-    engine.stats.record_timeline = False
+def paged(engine: L4Engine, name: str, jobs: list[Job], progress: Progress, timeline: bool = False) -> Result:
+    """L4 / L5: every request submitted at once (an offline batch); the scheduler decides who runs.
+    `timeline` keeps who held how many blocks at every step (a dict per step: off unless a plot needs it)."""
+    engine.stats.record_timeline = timeline
+    prefill = count_prefill(engine.runner)
     t0 = time.perf_counter()
     for j in jobs:
         engine.add_request(j.prompt_ids, stop_for(j))
@@ -168,13 +202,25 @@ def paged(engine: L4Engine, name: str, jobs: list[Job], progress: Progress) -> R
             progress(len(finished))
     s = engine.stats
     return Result(name, time.perf_counter() - t0, produced, s.utilization_mean, s.utilization_at_peak,
-                  s.peak_running, s.preemptions)
+                  s.peak_running, s.preemptions, prefill[0], getattr(s, "cached_tokens", None),
+                  timeline=s.timeline if timeline else None)
 
 
-def l4(model, jobs, block_size, num_blocks, max_running, backend, progress) -> Result:
-    return paged(L4Engine(model, block_size, num_blocks, max_running, backend), "L4 continuous", jobs, progress)
+def l4(model, jobs, block_size, num_blocks, max_running, backend, progress, timeline=False) -> Result:
+    engine = L4Engine(model, block_size, num_blocks, max_running, backend)
+    return paged(engine, "L4 continuous", jobs, progress, timeline)
 
 
-def l5(model, jobs, block_size, num_blocks, max_running, backend, progress, policy="recompute") -> Result:
+def l5(model, jobs, block_size, num_blocks, max_running, backend, progress, policy="recompute", timeline=False) -> Result:
     engine = L5Engine(model, block_size, num_blocks, max_running, backend, policy=policy)
-    return paged(engine, f"L5 preemption ({policy})", jobs, progress)
+    return paged(engine, f"L5 preemption ({policy})", jobs, progress, timeline)
+
+
+def l6(model, jobs, block_size, num_blocks, max_running, backend, progress) -> Result:
+    engine = L6Engine(model, block_size, num_blocks, max_running, backend)
+    r = paged(engine, "L6 prefix sharing", jobs, progress)
+    r.notes.append(engine.stats.prefix_line())
+    if r.util_mean and r.util_mean > 1:
+        r.notes.append("KV util above 100%: every request counts the shared tokens it holds, so logical KV exceeds "
+                       "the physical slots")
+    return r

@@ -1,0 +1,29 @@
+"""`bench.py --plot DIR` writes its PNGs: a tiny run (4 requests, 2-4 new tokens) of one HF baseline and L4 / L5,
+so every chart has data. Skipped when matplotlib is not installed (it is a dev extra, not a course dependency)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plot_writes_nonempty_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plots"
+    cmd = [sys.executable, "scripts/bench.py", "--model", "tiny", "--systems", "hf-static,l4,l5", "--requests", "4",
+           "--prompt-len", "8", "24", "--new-tokens", "2", "4", "--kv-budget", "0", "--threads", "1",
+           "--device", "cpu", "--out", str(tmp_path / "bench.json"), "--plot", str(out)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pngs = {p.name: p.stat().st_size for p in out.glob("*.png")}
+    assert set(pngs) == {"throughput.png", "kv_util.png", "pool_tiny.png"}
+    assert all(size > 1000 for size in pngs.values()), pngs
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["conditions"]["threads"] == 1 and "load_after" in report["conditions"]
+    l4 = next(r for r in report["models"][0]["results"] if r["system"].startswith("L4"))
+    assert l4["timeline"] and l4["roofline_share"] > 0
