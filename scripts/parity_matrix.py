@@ -1,0 +1,223 @@
+"""Parity matrix: every lesson's smoke over block sizes, dtypes and prompt sets, in one table.
+
+    OMP_NUM_THREADS=1 python scripts/parity_matrix.py            # the full grid, one smoke at a time
+    python scripts/parity_matrix.py --lessons l2,l5 --dtypes float32
+
+Lessons are found as scripts/l<N>_smoke.py, so a new lesson joins the grid by existing. Each cell is one
+smoke run with --json, judged from its exit status and JSON (see `classify`):
+PASS every engine's tokens equal HF's; TIE equal except a half-precision numerical tie (the smoke exits 0
+and says so: our token is HF's runner-up and HF's top-2 margin is within the dtype's rounding, see
+docs/README.md); FAIL a real mismatch or a failed lesson-specific check; ERROR no verdict (crash, bad
+option, timeout, no JSON). A lesson whose smoke has no --block-size runs once per dtype and prompt set.
+Exit 0 when no cell is FAIL or ERROR, 1 otherwise, 2 for bad options.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from shared.cli import DTYPES, OneLineParser  # noqa: E402
+
+SMOKE = re.compile(r"^l(\d+)_smoke\.py$")
+# Over 200 characters: CJK, emoji (one a ZWJ sequence), Latin accents, Greek, Cyrillic, Arabic and math,
+# already NFC, so byte-level BPE splits multi-byte characters across tokens and the cache must still agree.
+UNICODE_PROMPT = (
+    "Ünïcödé check: 東京の桜は三月に咲き始め、北京的秋天很美，서울의 밤은 길다. Emoji 🚀🔥🙂👩‍💻 and "
+    "accents: café, naïve, façade, jalapeño, Øresund, Łódź, crème brûlée. Ελληνικά και русский текст, "
+    "العربية أيضاً — «quotes», ∑∞≈π, ½ ¾, and then the story goes on:"
+)
+PROMPT_SETS = {"default": None, "unicode": [UNICODE_PROMPT]}  # None: the smoke's own default prompts
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+STYLE = {"PASS": "green", "TIE": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
+
+
+@dataclass(frozen=True)
+class Cell:
+    lesson: str  # "L3"
+    script: Path
+    dtype: str
+    prompts: str  # a PROMPT_SETS key
+    block_size: int | None  # None: the smoke has no blocks
+
+    def argv(self, max_new_tokens: int, device: str | None) -> list[str]:
+        args = [sys.executable, str(self.script), "--json", "--dtype", self.dtype]
+        args += ["--max-new-tokens", str(max_new_tokens)]
+        args += [] if self.block_size is None else ["--block-size", str(self.block_size)]
+        args += [] if device is None else ["--device", device]
+        for text in PROMPT_SETS[self.prompts] or []:
+            args += ["--prompt", text]
+        return args
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # PASS, TIE, FAIL or ERROR
+    note: str = ""  # what a reader needs when it is not PASS
+
+
+def discover(scripts_dir: Path) -> list[Path]:
+    """scripts/l<N>_smoke.py in lesson order (l10 after l9, not after l1)."""
+    found = [p for p in scripts_dir.iterdir() if SMOKE.match(p.name)]
+    return sorted(found, key=lambda p: int(SMOKE.match(p.name).group(1)))
+
+
+def has_blocks(help_text: str) -> bool:
+    return "--block-size" in help_text
+
+
+def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int]) -> list[Cell]:
+    """smokes: script -> whether it takes --block-size."""
+    cells = []
+    for script, blocks in smokes.items():
+        lesson = "L" + SMOKE.match(script.name).group(1)
+        for prompts in prompt_sets:
+            for dtype in dtypes:
+                for size in block_sizes if blocks else [None]:
+                    cells.append(Cell(lesson, script, dtype, prompts, size))
+    return cells
+
+
+def classify(returncode: int | None, stdout: str, stderr: str) -> Outcome:
+    """Judge one smoke run by the contract: exit 0 match (ties allowed), 1 mismatch, 2 bad input.
+
+    A crash also exits 1, so exit 1 counts as FAIL only when the smoke printed its JSON verdict.
+    """
+    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    if returncode is None:
+        return Outcome("ERROR", "timed out")
+    try:
+        result = json.loads(stdout.strip().splitlines()[-1])
+        prompts = result["prompts"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return Outcome("ERROR", f"exit {returncode}, no JSON verdict" + (f": {last}" if last else ""))
+    if returncode not in (0, 1):
+        return Outcome("ERROR", f"exit {returncode}" + (f": {last}" if last else ""))
+    mismatches, ties = [], []
+    for i, entry in enumerate(prompts):
+        for key, verdict in entry.items():
+            if key.endswith("_verdict") and verdict["status"] != "match":
+                where = (f"prompt {i} {key.removesuffix('_verdict')} at position {verdict['position']}: "
+                         f"ours {verdict['ours']}, HF {verdict['theirs']}, margin {verdict['margin']}")
+                (ties if verdict["status"] == "tie" else mismatches).append(where)
+    extra = result.get("extra_check")
+    if extra is not None and not extra.get("ok"):
+        mismatches.append(f"extra check: {extra.get('message')}")
+    if mismatches or returncode == 1 or not result.get("match", False):
+        return Outcome("FAIL", "; ".join(mismatches) or f"exit {returncode} with every verdict a match")
+    if ties:
+        return Outcome("TIE", "numerical tie: " + "; ".join(ties))
+    return Outcome("PASS")
+
+
+def run_cell(cell: Cell, max_new_tokens: int, device: str | None, timeout: float) -> tuple[Outcome, float]:
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cell.argv(max_new_tokens, device), capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        outcome = classify(r.returncode, r.stdout, r.stderr)
+    except subprocess.TimeoutExpired:
+        outcome = classify(None, "", "")
+    return outcome, time.perf_counter() - t0
+
+
+def column(cell: Cell, block_sizes: list[int]) -> str:
+    size = block_sizes[0] if cell.block_size is None else cell.block_size
+    return f"{SHORT.get(cell.dtype, cell.dtype)} S={size}"
+
+
+def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], args) -> None:
+    for prompts in args.prompt_sets:
+        title = "default prompts" if prompts == "default" else f"{prompts} prompt ({len(UNICODE_PROMPT)} characters)"
+        table = Table(title=title, title_justify="left")
+        columns = [f"{SHORT.get(d, d)} S={s}" for d in args.dtypes for s in args.block_sizes]
+        table.add_column("lesson")
+        for name in columns:
+            table.add_column(name, justify="center")
+        for lesson in dict.fromkeys(c.lesson for c in cells):
+            mine = [c for c in cells if c.lesson == lesson and c.prompts == prompts]
+            row = {column(c, args.block_sizes): outcomes[c].status for c in mine}
+            table.add_row(lesson, *(f"[{STYLE[row[n]]}]{row[n]}[/]" if n in row else "[dim]—[/]" for n in columns))
+        console.print(table)
+    if any(c.block_size is None for c in cells):
+        console.print("[dim]—: the lesson has no blocks; it ran once per dtype and prompt set, shown under the first "
+                      "block size.[/]", soft_wrap=True)
+    console.print("[dim]TIE: only half-precision numerical ties, as the parity rule allows.[/]", soft_wrap=True)
+    for c in cells:
+        if outcomes[c].status != "PASS":
+            where = f"{c.lesson} {c.dtype} {c.prompts}" + ("" if c.block_size is None else f" S={c.block_size}")
+            console.print(f"[{STYLE[outcomes[c].status]}]{outcomes[c].status}[/] {where}: {outcomes[c].note}",
+                          soft_wrap=True, highlight=False)
+
+
+def _list(kind, allowed: set[str] | None = None):
+    def parse(text: str):
+        items = [kind(x) for x in text.split(",") if x.strip()]
+        if not items:
+            raise ValueError("empty")
+        if allowed is not None and not set(items) <= allowed:
+            raise ValueError(f"not in {sorted(allowed)}")
+        return items
+    parse.__name__ = "comma-separated list"  # argparse names the type in its error line
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="parity_matrix.py", description=__doc__.splitlines()[0])
+    p.add_argument("--lessons", type=_list(str.upper), help="comma-separated, e.g. l2,l5 (default: every smoke)")
+    p.add_argument("--block-sizes", type=_list(int), default=[1, 7, 16], help="default 1,7,16")
+    p.add_argument("--dtypes", type=_list(str, set(DTYPES)), default=["float32", "bfloat16"],
+                   help="default float32,bfloat16")
+    p.add_argument("--prompt-sets", type=_list(str, set(PROMPT_SETS)), default=list(PROMPT_SETS),
+                   help=f"default {','.join(PROMPT_SETS)}")
+    p.add_argument("--max-new-tokens", type=int, default=20, help="per smoke run (default 20, the smokes' own)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="passed to every smoke (default: theirs, auto)")
+    p.add_argument("--jobs", type=int, default=1, help="smokes run at once (default 1: each uses a core)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per smoke run (default 600)")
+    args = p.parse_args(argv)
+    for name, value in (("--jobs", args.jobs), ("--max-new-tokens", args.max_new_tokens), ("--timeout", args.timeout),
+                        *(("--block-sizes", s) for s in args.block_sizes)):
+        if value < 1:
+            p.error(f"{name} must be at least 1, got {value:g}")
+    scripts = discover(ROOT / "scripts")
+    if args.lessons:
+        unknown = set(args.lessons) - {"L" + SMOKE.match(s.name).group(1) for s in scripts}
+        if unknown:
+            p.error(f"--lessons: no smoke script for {', '.join(sorted(unknown))}")
+        scripts = [s for s in scripts if "L" + SMOKE.match(s.name).group(1) in args.lessons]
+
+    console, progress = Console(), Console(stderr=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        helps = pool.map(lambda s: subprocess.run([sys.executable, str(s), "--help"], capture_output=True, text=True,
+                                                  cwd=ROOT).stdout, scripts)
+        cells = grid(dict(zip(scripts, map(has_blocks, helps))), args.dtypes, args.prompt_sets, args.block_sizes)
+        outcomes: dict[Cell, Outcome] = {}
+
+        def run(cell: Cell) -> None:
+            outcomes[cell], seconds = run_cell(cell, args.max_new_tokens, args.device, args.timeout)
+            progress.print(f"[{len(outcomes)}/{len(cells)}] {cell.lesson} {cell.dtype} {cell.prompts} "
+                           f"S={cell.block_size or '-'}: {outcomes[cell].status} ({seconds:.1f} s)", highlight=False)
+
+        list(pool.map(run, cells))
+    render(console, cells, outcomes, args)
+    bad = sum(o.status in ("FAIL", "ERROR") for o in outcomes.values())
+    console.print(f"{len(cells)} smoke runs in {time.perf_counter() - t0:.0f} s: "
+                  + ", ".join(f"{sum(o.status == s for o in outcomes.values())} {s}" for s in STYLE), highlight=False)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

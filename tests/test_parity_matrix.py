@@ -1,0 +1,118 @@
+"""scripts/parity_matrix.py judges each smoke run by the contract and builds the grid it promises; no smoke runs here
+(the matrix itself takes minutes: .ci/run runs it)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import parity_matrix as pm  # noqa: E402
+
+
+def smoke_json(*verdicts: dict, extra: dict | None = None) -> str:
+    """What a smoke prints with --json: here one prompt, judged for L3 and L2 (the verdicts given)."""
+    entry = {"prompt": "a", "prompt_ids": [64], "hf": [1, 2]}
+    for name, verdict in zip(["L3", "L2"], verdicts):
+        entry[name] = [1, 2]
+        entry[f"{name}_verdict"] = verdict
+    entry["match"] = all(v["status"] != "mismatch" for v in verdicts)
+    result = {"lesson": "L3", "prompts": [entry], "match": entry["match"]}
+    if extra is not None:
+        result["extra_check"] = extra
+    return json.dumps(result) + "\n"
+
+
+MATCH = {"status": "match"}
+TIE = {"status": "tie", "position": 3, "ours": 7, "theirs": 8, "margin": 0.25, "tolerance": 0.75, "runner_up": 7}
+MISMATCH = {"status": "mismatch", "position": 1, "ours": 643, "theirs": 36928, "margin": 3.2, "tolerance": 0.0,
+            "runner_up": 11}
+
+
+def test_every_engine_identical_is_pass():
+    assert pm.classify(0, smoke_json(MATCH, MATCH), "").status == "PASS"
+
+
+def test_a_half_precision_tie_is_tie_and_says_so():
+    out = pm.classify(0, smoke_json(TIE, MATCH), "")
+    assert out.status == "TIE" and "numerical tie" in out.note and "position 3" in out.note
+
+
+def test_a_mismatch_is_fail_and_names_the_position():
+    out = pm.classify(1, smoke_json(MATCH, MISMATCH), "")
+    assert out.status == "FAIL" and "L2 at position 1: ours 643, HF 36928" in out.note
+
+
+def test_a_failed_lesson_check_is_fail():
+    extra = {"ok": False, "message": "L6: 0 served from the cache"}
+    out = pm.classify(1, smoke_json(MATCH, MATCH, extra=extra), "")
+    assert out.status == "FAIL" and "0 served from the cache" in out.note
+
+
+def test_exit_0_with_a_mismatch_in_the_json_is_still_fail():
+    assert pm.classify(0, smoke_json(MISMATCH, MATCH), "").status == "FAIL"
+
+
+@pytest.mark.parametrize("code, stdout, stderr", [
+    (2, "", "error: block-size must be at least 1, got 0\n"),  # bad input: the contract's exit 2
+    (1, "", "Traceback (most recent call last):\nIndexError: list index out of range\n"),  # a crash also exits 1
+    (0, "not json\n", ""),
+    (0, json.dumps({"lesson": "L3"}) + "\n", ""),  # JSON without the verdicts
+    (-9, smoke_json(MATCH, MATCH), ""),  # killed after printing
+    (None, "", ""),  # timed out
+])
+def test_no_verdict_is_error(code, stdout, stderr):
+    out = pm.classify(code, stdout, stderr)
+    assert out.status == "ERROR"
+    if stderr:
+        assert stderr.strip().splitlines()[-1] in out.note  # the reason is shown, not just "ERROR"
+
+
+def test_lessons_are_found_in_lesson_order(tmp_path):
+    for n in (10, 2, 1, 9):
+        (tmp_path / f"l{n}_smoke.py").touch()
+    (tmp_path / "lesson_diff.py").touch()
+    assert [p.name for p in pm.discover(tmp_path)] == ["l1_smoke.py", "l2_smoke.py", "l9_smoke.py", "l10_smoke.py"]
+
+
+def test_every_smoke_in_the_repo_is_in_the_grid():
+    assert [p.name for p in pm.discover(ROOT / "scripts")] == sorted(
+        (p.name for p in (ROOT / "scripts").glob("l*_smoke.py")), key=lambda n: int(n[1:].split("_")[0]))
+
+
+def test_a_lesson_without_blocks_runs_once_per_dtype_and_prompt_set():
+    l1, l2 = Path("scripts/l1_smoke.py"), Path("scripts/l2_smoke.py")
+    cells = pm.grid({l1: False, l2: True}, ["float32", "bfloat16"], ["default", "unicode"], [1, 7, 16])
+    assert sum(c.lesson == "L1" for c in cells) == 4 and {c.block_size for c in cells if c.lesson == "L1"} == {None}
+    assert sum(c.lesson == "L2" for c in cells) == 12
+
+
+def test_a_cell_passes_its_configuration_to_the_smoke():
+    cell = pm.Cell("L5", Path("scripts/l5_smoke.py"), "bfloat16", "unicode", 7)
+    argv = cell.argv(12, None)
+    assert argv[argv.index("--block-size") + 1] == "7" and argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--prompt") + 1] == pm.UNICODE_PROMPT and "--json" in argv and "--device" not in argv
+    assert "--block-size" not in pm.Cell("L1", Path("scripts/l1_smoke.py"), "float32", "default", None).argv(20, None)
+
+
+def test_the_unicode_prompt_is_long_and_mixed():
+    text = pm.UNICODE_PROMPT
+    assert len(text) >= 200 and "東京" in text and "🚀" in text and "é" in text
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--block-sizes", "0,7"], "--block-sizes must be at least 1, got 0"),
+    (["--dtypes", "float64"], "--dtypes"),
+    (["--prompt-sets", "klingon"], "--prompt-sets"),
+    (["--lessons", "l99"], "no smoke script for L99"),
+    (["--no-such-option"], "unrecognized arguments"),
+])
+def test_bad_options_exit_2_with_one_line(argv, wanted, capsys):
+    with pytest.raises(SystemExit) as e:
+        pm.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and wanted in err and len(err.strip().splitlines()) == 1
