@@ -6,7 +6,7 @@
 Lessons are found as scripts/l<N>_smoke.py, so a new lesson joins the grid by existing. Each cell is one
 smoke run with --json, judged from its exit status and JSON (see `classify`):
 PASS every engine's tokens equal HF's; TIE equal except a half-precision numerical tie (the smoke exits 0
-and says so: our token is HF's runner-up and HF's top-2 margin is within the dtype's rounding, see
+and says so: our token is HF's runner-up within the dtype's rounding, or HF's own fp32 run picks it, see
 docs/README.md); FAIL a real mismatch or a failed lesson-specific check; ERROR no verdict (crash, bad
 option, timeout, no JSON). A lesson whose smoke has no --block-size runs once per dtype and prompt set.
 Exit 0 when no cell is FAIL or ERROR, 1 otherwise, 2 for bad options.
@@ -111,6 +111,8 @@ def classify(returncode: int | None, stdout: str, stderr: str) -> Outcome:
             if key.endswith("_verdict") and verdict["status"] != "match":
                 where = (f"prompt {i} {key.removesuffix('_verdict')} at position {verdict['position']}: "
                          f"ours {verdict['ours']}, HF {verdict['theirs']}, margin {verdict['margin']}")
+                if verdict.get("fp32_pick") is not None:
+                    where += f", HF in fp32 picks {verdict['fp32_pick']}"
                 (ties if verdict["status"] == "tie" else mismatches).append(where)
     extra = result.get("extra_check")
     if extra is not None and not extra.get("ok"):

@@ -29,7 +29,8 @@ class HfReference:
         # checkpoint that ships repetition_penalty or top_k would change the oracle. Replace it with a
         # neutral one: plain greedy, no processors; EOS is passed explicitly per call.
         self.model.generation_config = GenerationConfig()
-        self.device = device
+        self.model_dir, self.dtype, self.device = model_dir, dtype, device
+        self._fp32 = None  # the arbiter's fp32 copy, loaded on the first divergence that needs it
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], stop: StopRule) -> HfOutput:
@@ -57,3 +58,23 @@ class HfReference:
             top_logits=[float(t.values[0]) for t in top2],
             runner_ups=runner_ups,
         )
+
+    @torch.inference_mode()
+    def fp32_argmax(self, ids: list[int]) -> int:
+        """HF's greedy choice after `ids`, computed in fp32 from the checkpoint: the arbiter of half-precision ties.
+
+        Loaded from the files, not upcast from the half-precision model, so it sees the checkpoint's own
+        weights rather than their rounded copies.
+        """
+        if self.dtype == torch.float32:
+            model = self.model
+        else:
+            if self._fp32 is None:
+                from transformers import AutoModelForCausalLM
+
+                self._fp32 = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+                self._fp32 = self._fp32.to(self.device).eval()
+            model = self._fp32
+        x = torch.tensor([ids], device=self.device)
+        logits = model(input_ids=x, attention_mask=torch.ones_like(x), logits_to_keep=1).logits
+        return int(logits[0, -1].argmax())

@@ -87,7 +87,8 @@ def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines
     t0 = time.perf_counter()
     hf_out = [hf.generate(ids, setup.stop) for ids in setup.prompt_ids]
     seconds["HF"] = time.perf_counter() - t0
-    verdicts = {name: [compare(o, h, setup.dtype) for o, h in zip(outs, hf_out)] for name, outs in outputs.items()}
+    verdicts = {name: [compare(o, h, setup.dtype, ids, hf.fp32_argmax) for o, h, ids in zip(outs, hf_out, setup.prompt_ids)]
+                for name, outs in outputs.items()}
     ok = all(v.ok for vs in verdicts.values() for v in vs)
     extra = extra_check(model, setup, args) if extra_check else None  # None: the check does not apply
     if args.json:
@@ -179,9 +180,14 @@ def _describe(v: Verdict, dtype: torch.dtype) -> str:
         return "[green]identical[/]"
     margin = "n/a" if v.margin is None else f"{v.margin:.4g}"
     where = f"first divergence at position {v.position}: ours {v.ours}, HF {v.theirs}, HF top-2 margin {margin}"
+    if v.status == "tie" and v.fp32_pick is not None:
+        return (f"[yellow]numerical tie[/] ({where}; HF run in fp32 on the same tokens picks ours, {v.fp32_pick}: "
+                f"HF's {dtype} rounding moved its argmax, not a failure)")
     if v.status == "tie":
         return (f"[yellow]numerical tie[/] ({where} <= tolerance {v.tolerance:.3g} for {dtype}, and ours is HF's "
                 f"runner-up: not a failure)")
+    if v.fp32_pick is not None:
+        where += f" (HF in fp32 picks {v.fp32_pick})"
     if v.runner_up is not None and v.ours != v.runner_up:
         where += f" (HF's runner-up was {v.runner_up}: ours is neither of HF's top two)"
     return f"[bold red]MISMATCH[/] {where}"

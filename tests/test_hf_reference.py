@@ -34,3 +34,16 @@ def test_checkpoint_generation_config_does_not_leak_into_the_reference(tiny_dir,
     torch.manual_seed(0)
     leaky = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, pad_token_id=0)[0, len(ids):].tolist()
     assert leaky != ours
+
+
+def test_the_fp32_arbiter_is_hf_in_fp32_from_the_checkpoint(tiny_dir, prompt_ids, hf):
+    """A bf16 reference arbitrates with the checkpoint's fp32 weights: it agrees with the fp32 reference's
+    greedy tokens at every position, not with its own bf16 run."""
+    stop = StopRule(12, ignore_eos=True)
+    bf16 = HfReference(tiny_dir, torch.bfloat16, CPU)
+    for ids in prompt_ids[:2]:
+        fp32_tokens = hf.generate(ids, stop).tokens
+        picks = [bf16.fp32_argmax(ids + fp32_tokens[:i]) for i in range(len(fp32_tokens))]
+        assert picks == fp32_tokens
+    assert bf16._fp32 is not None and next(bf16._fp32.parameters()).dtype == torch.float32
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16  # the reference itself stays in bf16

@@ -1,5 +1,6 @@
 """The parity rule: exact in fp32; in half precision a divergence is a tie only when our token is HF's
-runner-up and HF's top-2 margin is within rounding of its top logit. Everything else is a mismatch."""
+runner-up and HF's top-2 margin is within rounding of its top logit, or when HF run in fp32 on the same
+tokens picks our token. Everything else is a mismatch."""
 import torch
 
 from shared.hf_reference import HfOutput
@@ -52,3 +53,38 @@ def test_a_tie_that_picks_eos_ends_ours_early_and_is_still_a_tie():
     eos = 9  # HF's runner-up at position 1 is EOS: our engine stops there, one token long after the prefix
     v = compare([5, eos], HF, torch.bfloat16)
     assert (v.status, v.position, v.ours) == ("tie", 1, eos)
+
+
+class RecordingArbiter:
+    """Stands in for HF's fp32 run: answers `pick` and records what it was asked."""
+
+    def __init__(self, pick: int):
+        self.pick, self.asked = pick, []
+
+    def __call__(self, ids: list[int]) -> int:
+        self.asked.append(list(ids))
+        return self.pick
+
+
+PROMPT = [100, 101]
+
+
+def test_the_fp32_arbiter_accepts_only_its_own_pick():
+    """Position 2: margin 2.0 is far outside bf16's tolerance and 1234 is not the runner-up, so only fp32 can save it."""
+    agrees = RecordingArbiter(pick=1234)
+    v = compare([5, 6, 1234, 8], HF, torch.bfloat16, PROMPT, agrees)
+    assert (v.status, v.position, v.ours, v.fp32_pick) == ("tie", 2, 1234, 1234)
+    assert agrees.asked == [PROMPT + [5, 6]]  # the prompt and the tokens both runs share, nothing after
+
+    disagrees = RecordingArbiter(pick=7)  # fp32 sides with HF's half-precision run: our token is wrong
+    v = compare([5, 6, 1234, 8], HF, torch.bfloat16, PROMPT, disagrees)
+    assert (v.status, v.fp32_pick) == ("mismatch", 7)
+
+
+def test_the_arbiter_is_not_asked_when_it_cannot_matter():
+    never = RecordingArbiter(pick=9)
+    assert compare([5, 9, 7, 8], HF, torch.float32, PROMPT, never).status == "mismatch"  # fp32: no exceptions
+    assert compare([5, 9, 1, 2], HF, torch.bfloat16, PROMPT, never).fp32_pick is None  # the rounding rule sufficed
+    assert compare([5, 6, 7], HF, torch.bfloat16, PROMPT, never).status == "mismatch"  # a length difference
+    assert compare([5, 6, 7, 8], HF, torch.bfloat16, PROMPT, never).status == "match"
+    assert never.asked == []
