@@ -98,10 +98,10 @@ def test_buffers_are_reused_across_layers_and_outputs_are_not_views_of_them():
     backend = BatchedBackend()
     backend.plan(meta)
     first = backend.run(q, k_pages, v_pages, meta)
-    buffer = backend._buffers.k
+    buffer = backend._buffers.store["k"]
     kept = first.clone()
     backend.run(q, k_pages.flip(0), v_pages.flip(0), meta)  # the next layer overwrites the gather buffers
-    assert backend._buffers.k is buffer
+    assert backend._buffers.store["k"] is buffer
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
 
 
