@@ -1,0 +1,108 @@
+"""Where L4's time goes: one L4 run of the benchmark's mixed workload under cProfile, split by the engine's seams.
+
+    OMP_NUM_THREADS=1 python scripts/profile_l4.py --model bench --requests 24
+
+Each row is the cumulative time inside one function (all its calls), as a share of the whole run; rows
+nest (the model's forward contains the matmuls and the attention), so they do not add up to 100%.
+cProfile adds its own cost to every Python call, so Python-heavy rows read a little high. Not a test.
+"""
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_systems as bs  # noqa: E402
+from bench import bench_shape_dir  # noqa: E402
+from lessons.l4_continuous import L4Engine  # noqa: E402
+from shared.cli import OneLineParser, resolve_dtype  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
+
+# (row label, file name ending, function name); file "~" is a C function, matched by a name fragment.
+SEAMS = [
+    ("engine step (everything below)", "l4_continuous/engine.py", "step"),
+    ("  scheduler: schedule + postprocess", "l4_continuous/scheduler.py", "schedule"),
+    ("", "l4_continuous/scheduler.py", "postprocess"),
+    ("  batch metadata (BatchMeta.build)", "l3_block_tensor/batch_meta.py", "build"),
+    ("  model forward (layers)", "shared/model.py", "forward"),
+    ("    every F.linear (layer matmuls + vocab projection)", "~", "torch._C._nn.linear"),
+    ("    KV pool write", "l3_block_tensor/kv_pool.py", "write"),
+    ("    attention backend: run", "backends/", "run"),
+    ("      scaled_dot_product_attention", "~", "scaled_dot_product_attention"),
+    ("  attention backend: plan", "backends/", "plan"),
+    ("  vocab projection (model.logits)", "shared/model.py", "logits"),
+    ("  sampling", "l4_continuous/sampling.py", "sample"),
+]
+
+
+def cumulative(stats: pstats.Stats, file_end: str, name: str) -> float:
+    """Cumulative seconds in a function. Several Python matches (the model's nested `forward`s) are nested
+    calls, so the outermost, the largest, holds the rest; C functions matching the fragment are summed."""
+    found = [ct for (file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+             if (file == "~" and file_end == "~" and name in func)
+             or (file != "~" and file_end in file.replace("\\", "/") and func == name)]
+    return sum(found) if file_end == "~" else max(found, default=0.0)
+
+
+def main() -> None:
+    p = OneLineParser(prog="profile_l4.py", description=__doc__)
+    p.add_argument("--model", default="bench", choices=("tiny", "bench"))
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    try:
+        if args.requests < 1 or args.threads < 1:
+            raise CourseError(f"--requests {args.requests} / --threads {args.threads}: both must be at least 1")
+        torch.set_num_threads(args.threads)
+        dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+        path = default_model_dir() if args.model == "tiny" else bench_shape_dir()
+        model = Qwen3ForCausalLM.from_dir(path, dtype, torch.device("cpu"))
+        jobs = bs.make_workload(args.requests, (32, 512), (16, 128), model.config.vocab_size, args.seed)
+        engine = L4Engine(model, 16, 512, 64, args.backend)
+    except CourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for j in jobs:
+        engine.add_request(j.prompt_ids, bs.stop_for(j))
+    while engine.scheduler.has_work():
+        engine.step()
+    profiler.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(profiler)
+
+    console = Console()
+    table = Table(title=f"L4 on {args.model}, {args.requests} requests, {args.dtype}, {args.threads} thread(s), "
+                  f"backend {type(engine.runner.backend).__name__}: {wall:.2f} s under cProfile")
+    table.add_column("where")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    rows: list[tuple[str, float]] = []
+    for label, file_end, name in SEAMS:
+        seconds = cumulative(stats, file_end, name)
+        if label:
+            rows.append((label, seconds))
+        else:  # a continuation: add to the row above
+            rows[-1] = (rows[-1][0], rows[-1][1] + seconds)
+    for label, seconds in rows:
+        table.add_row(label, f"{seconds:.2f}", f"{100 * seconds / wall:.0f}%")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
