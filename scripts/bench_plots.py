@@ -19,10 +19,12 @@ PAGED = ("L3", "L4", "L5", "L6")
 
 
 def short(system: str) -> str:
-    """'HF generate, static batches of 8' -> 'HF static 8': bar labels must fit under a bar."""
-    for long, name in (("one at a time", "HF single"), ("static batches", "HF static"), ("generate_batch", "HF cb")):
-        if long in system:
-            return name
+    """'HF generate, static batches of 8' -> 'HF static', 'L3 static batches of 8' -> 'L3': bar labels must
+    fit under a bar, and must stay distinct (one bar per label and model)."""
+    if system.startswith("HF"):
+        for long, name in (("one at a time", "HF single"), ("static batches", "HF static"), ("generate_batch", "HF cb")):
+            if long in system:
+                return name
     return system.split()[0]
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,3 +29,24 @@ def test_plot_writes_nonempty_pngs(tmp_path):
     assert report["conditions"]["threads"] == 1 and "load_after" in report["conditions"]
     l4 = next(r for r in report["models"][0]["results"] if r["system"].startswith("L4"))
     assert l4["timeline"] and l4["roofline_share"] > 0
+
+
+# Every system name bench.py reports, in its order (scripts/bench_systems.py).
+SYSTEM_NAMES = ["HF generate, one at a time (16 requests)", "HF generate, static batches of 8",
+                "HF generate_batch (continuous)", "L3 static batches of 8", "L4 continuous",
+                "L5 preemption (recompute)", "L6 prefix sharing"]
+
+
+def test_every_system_gets_its_own_bar():
+    """L3's name contains 'static batches' too: it once took HF static's label, and HF static's bar vanished."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from bench_plots import grouped_bars, short
+
+    labels = [short(n) for n in SYSTEM_NAMES]
+    assert labels == ["HF single", "HF static", "HF cb", "L3", "L4", "L5", "L6"]
+    model = {"model": "tiny", "results": [{"system": n, "x_best_hf": 1.0 + i} for i, n in enumerate(SYSTEM_NAMES)]}
+    fig, ax = plt.subplots()
+    grouped_bars(ax, [model], [("", lambda r: r.get("x_best_hf"))], labels)
+    assert sorted(bar.get_height() for bar in ax.patches) == [1.0 + i for i in range(len(SYSTEM_NAMES))]
+    plt.close(fig)
