@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python scripts/profile_l4.py --model bench --requests 24
 
 Each row is the cumulative time inside one function (all its calls), as a share of the whole run; rows
-nest (the model's forward contains the matmuls and the attention), so they do not add up to 100%.
+nest (the model's forward contains the layer matmuls and the attention), so only siblings add up.
 cProfile adds its own cost to every Python call, so Python-heavy rows read a little high. Not a test.
 """
 from __future__ import annotations
@@ -27,21 +27,41 @@ from shared.errors import CourseError  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
-# (row label, file name ending, function name); file "~" is a C function, matched by a name fragment.
-SEAMS = [
-    ("engine step (everything below)", "l4_continuous/engine.py", "step"),
-    ("  scheduler: schedule + postprocess", "l4_continuous/scheduler.py", "schedule"),
-    ("", "l4_continuous/scheduler.py", "postprocess"),
-    ("  batch metadata (BatchMeta.build)", "l3_block_tensor/batch_meta.py", "build"),
-    ("  model forward (layers)", "shared/model.py", "forward"),
-    ("    every F.linear (layer matmuls + vocab projection)", "~", "torch._C._nn.linear"),
-    ("    KV pool write", "l3_block_tensor/kv_pool.py", "write"),
-    ("    attention backend: run", "backends/", "run"),
-    ("      scaled_dot_product_attention", "~", "scaled_dot_product_attention"),
-    ("  attention backend: plan", "backends/", "plan"),
-    ("  vocab projection (model.logits)", "shared/model.py", "logits"),
-    ("  sampling", "l4_continuous/sampling.py", "sample"),
-]
+# (key, file name ending, function name); file "~" is a C function, matched by a name fragment.
+SEAMS = {
+    "step": ("l4_continuous/engine.py", "step"),
+    "schedule": ("l4_continuous/scheduler.py", "schedule"),
+    "postprocess": ("l4_continuous/scheduler.py", "postprocess"),
+    "meta": ("l3_block_tensor/batch_meta.py", "build"),
+    "forward": ("shared/model.py", "forward"),
+    "linear": ("~", "torch._C._nn.linear"),
+    "write": ("l3_block_tensor/kv_pool.py", "write"),
+    "run": ("backends/", "run"),
+    "sdpa": ("~", "scaled_dot_product_attention"),
+    "plan": ("backends/", "plan"),
+    "logits": ("shared/model.py", "logits"),
+    "sample": ("l4_continuous/sampling.py", "sample"),
+}
+
+
+def rows(t: dict[str, float]) -> list[tuple[str, float]]:
+    """The table, indented by nesting. The vocab projection's F.linear runs in model.logits, outside the forward."""
+    layer_matmuls = t["linear"] - t["logits"]
+    rest = t["forward"] - layer_matmuls - t["run"] - t["write"]
+    return [
+        ("engine step (everything below)", t["step"]),
+        ("  scheduler: schedule + postprocess", t["schedule"] + t["postprocess"]),
+        ("  batch metadata (BatchMeta.build)", t["meta"]),
+        ("  model forward (every layer)", t["forward"]),
+        ("    layer matmuls (F.linear)", layer_matmuls),
+        ("    attention backend: run", t["run"]),
+        ("      of which scaled_dot_product_attention", t["sdpa"]),
+        ("    KV pool write", t["write"]),
+        ("    the rest: norms, RoPE, SiLU, adds, Python", rest),
+        ("  attention backend: plan", t["plan"]),
+        ("  vocab projection (model.logits)", t["logits"]),
+        ("  sampling", t["sample"]),
+    ]
 
 
 def cumulative(stats: pstats.Stats, file_end: str, name: str) -> float:
@@ -92,15 +112,9 @@ def main() -> None:
     table.add_column("where")
     table.add_column("seconds", justify="right")
     table.add_column("share", justify="right")
-    rows: list[tuple[str, float]] = []
-    for label, file_end, name in SEAMS:
-        seconds = cumulative(stats, file_end, name)
-        if label:
-            rows.append((label, seconds))
-        else:  # a continuation: add to the row above
-            rows[-1] = (rows[-1][0], rows[-1][1] + seconds)
-    for label, seconds in rows:
-        table.add_row(label, f"{seconds:.2f}", f"{100 * seconds / wall:.0f}%")
+    seconds = {key: cumulative(stats, file_end, name) for key, (file_end, name) in SEAMS.items()}
+    for label, s in rows(seconds):
+        table.add_row(label, f"{s:.2f}", f"{100 * s / wall:.0f}%")
     console.print(table)
 
 

@@ -1,0 +1,30 @@
+"""scripts/profile_l4.py runs and accounts for the run: the engine step is the whole profiled time, and a
+bad option is one line with exit 2."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def profile(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/profile_l4.py", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_profile_of_a_small_run_names_every_seam():
+    done = profile("--model", "tiny", "--requests", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shares = dict(re.findall(r"│ *([a-zA-Z][^│]*?) *│ *[\d.]+ *│ *(\d+)% *│", done.stdout))
+    assert shares["engine step (everything below)"] == "100"
+    for seam in ("layer matmuls (F.linear)", "attention backend: run", "vocab projection (model.logits)", "sampling"):
+        assert seam in shares, (seam, sorted(shares))
+    assert int(shares["model forward (every layer)"]) > 0
+
+
+def test_bad_option_is_one_line():
+    done = profile("--requests", "0")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--requests 0" in done.stderr
