@@ -4,8 +4,8 @@ tests/test_docs.py checks quoted code and named files; this file checks the comm
 a reader can copy (each line of a fenced block, each inline code span, joined into one line where it wraps)
 in docs/*.md and README.md is read as shell, split at `&&`, `;` and `|`:
 
-- `pytest ... FILES -k EXPR` (or `python -m pytest ...`): the named files, with the -k expression if
-  any, collect at least one test. One `pytest --collect-only` run collects every named file, and pytest's
+- `pytest ... FILES -k EXPR` (or `python -m pytest ...`, or a bare `tests/FILE.py -k EXPR` in the prose):
+  the named files, with the -k expression if any, collect at least one test. One `pytest --collect-only` run collects every named file, and pytest's
   own -k matcher judges each expression, so the semantics are exactly those of the command.
 - `path.py::name` anywhere in a doc: the file defines a function or class of that name.
 - `python scripts/X.py --opt ...`: every `--opt` is in X's `--help`. One subprocess prints every named
@@ -103,7 +103,9 @@ def shell_words(snippet: str) -> list[str] | None:
 
 def command_like(doc: Path) -> list[str]:
     # Prose in backticks (`--block-size N`, `kv_indices`) names no program, so it is not read as shell.
-    return [s for s in snippets(doc.read_text()) if "pytest" in s or "scripts/" in s]
+    # A bare `tests/x.py -k name` is a pytest selector too: the reader pastes it after `pytest`.
+    return [s for s in snippets(doc.read_text())
+            if "pytest" in s or "scripts/" in s or (s.startswith("tests/") and " -k " in s)]
 
 
 def commands(doc: Path) -> list[Command]:
@@ -128,6 +130,8 @@ def commands(doc: Path) -> list[Command]:
 def pytest_args(argv: list[str]) -> list[str] | None:
     if argv[0] == "pytest":
         return argv[1:]
+    if argv[0].startswith("tests/") and "-k" in argv:  # a bare selector, `tests/test_l5_scheduler.py -k swap`
+        return argv
     if argv[0] in ("python", "python3") and argv[1:3] == ["-m", "pytest"]:
         return argv[3:]
     return None
