@@ -4,7 +4,7 @@ A doc quotes code by putting `<!-- quote: path/to/file.py:START-END -->` on the 
 fenced block; the block must equal lines START..END of that file (trailing whitespace ignored). Every
 `lessons/...`, `shared/...`, `scripts/...` and `tests/...` path a doc names must exist (name a planned file
 without its folder); a path with `*` or a `<placeholder>` in it must match at least one file.
-tests/test_doc_claims.py checks the commands the docs show.
+An embedded picture must exist too. tests/test_doc_claims.py checks the commands the docs show.
 """
 import re
 from pathlib import Path
@@ -55,3 +55,14 @@ def test_named_paths_exist(doc):
     named = {p.rstrip(".") for p in PATH.findall(doc.read_text())}  # a sentence's full stop is not part of it
     missing = sorted(p for p in named if not _exists(p))
     assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_embedded_images_exist(doc):
+    """A picture a doc embeds (`![...](figures/x.png)`, relative to the doc) is a file in the repository."""
+    missing = [src for src in IMAGE.findall(doc.read_text())
+               if "://" not in src and not (doc.parent / src).is_file()]
+    assert not missing, f"{doc.relative_to(ROOT)} embeds pictures that do not exist: {missing}"
