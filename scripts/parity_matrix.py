@@ -5,10 +5,12 @@
 
 Lessons are found as scripts/l<N>_smoke.py, so a new lesson joins the grid by existing. Each cell is one
 smoke run with --json, judged from its exit status and JSON (see `classify`):
-PASS every engine's tokens equal HF's; TIE equal except a half-precision numerical tie (the smoke exits 0
-and says so: our token is HF's runner-up within the dtype's rounding, or HF's own fp32 run picks it, see
-docs/README.md); FAIL a real mismatch or a failed lesson-specific check; ERROR no verdict (crash, bad
-option, timeout, no JSON). A lesson whose smoke has no --block-size runs once per dtype and prompt set.
+PASS every engine's tokens equal HF's; TIE the smoke exits 0 and every difference is a half-precision
+numerical tie (our token is HF's runner-up within the dtype's rounding, or HF's own fp32 run picks it; after
+the first tie HF scores our own tokens, so every later position is judged too, see docs/README.md); FAIL a
+real mismatch or a failed lesson-specific check; ERROR no complete verdict (crash, bad option, timeout, no
+JSON, or a passing verdict that did not judge every token). A lesson whose smoke has no --block-size runs
+once per dtype and prompt set. The summary counts the positions judged against the tokens generated.
 Exit 0 when no cell is FAIL or ERROR, 1 otherwise, 2 for bad options.
 """
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Cell:
 class Outcome:
     status: str  # PASS, TIE, FAIL or ERROR
     note: str = ""  # what a reader needs when it is not PASS
+    judged: int = 0  # positions the parity rule judged, over every engine and prompt of the run
+    tokens: int = 0  # tokens those engines generated: a complete verdict judged all of them
 
 
 def discover(scripts_dir: Path) -> list[Path]:
@@ -105,23 +109,34 @@ def classify(returncode: int | None, stdout: str, stderr: str) -> Outcome:
         return Outcome("ERROR", f"exit {returncode}, no JSON verdict" + (f": {last}" if last else ""))
     if returncode not in (0, 1):
         return Outcome("ERROR", f"exit {returncode}" + (f": {last}" if last else ""))
-    mismatches, ties = [], []
+    mismatches, ties, partial, judged, tokens = [], [], [], 0, 0
     for i, entry in enumerate(prompts):
         for key, verdict in entry.items():
-            if key.endswith("_verdict") and verdict["status"] != "match":
-                where = (f"prompt {i} {key.removesuffix('_verdict')} at position {verdict['position']}: "
-                         f"ours {verdict['ours']}, HF {verdict['theirs']}, margin {verdict['margin']}")
-                if verdict.get("fp32_pick") is not None:
-                    where += f", HF in fp32 picks {verdict['fp32_pick']}"
-                (ties if verdict["status"] == "tie" else mismatches).append(where)
+            if not key.endswith("_verdict"):
+                continue
+            name = key.removesuffix("_verdict")
+            judged, tokens = judged + verdict.get("judged", 0), tokens + len(entry.get(name, []))
+            if verdict["status"] != "mismatch" and verdict.get("judged", 0) != len(entry.get(name, [])):
+                partial.append(f"prompt {i} {name}: {verdict.get('judged', 0)} of {len(entry.get(name, []))} judged")
+            if verdict["status"] == "match":
+                continue
+            where = (f"prompt {i} {name} at position {verdict['position']}: "
+                     f"ours {verdict['ours']}, HF {verdict['theirs']}, margin {verdict['margin']}")
+            if verdict.get("fp32_pick") is not None:
+                where += f", HF in fp32 picks {verdict['fp32_pick']}"
+            if len(verdict.get("ties", [])) > 1 or (verdict["status"] == "mismatch" and verdict.get("ties")):
+                where += f" (ties at {', '.join(map(str, verdict['ties']))})"
+            (ties if verdict["status"] == "tie" else mismatches).append(where)
     extra = result.get("extra_check")
     if extra is not None and not extra.get("ok"):
         mismatches.append(f"extra check: {extra.get('message')}")
     if mismatches or returncode == 1 or not result.get("match", False):
-        return Outcome("FAIL", "; ".join(mismatches) or f"exit {returncode} with every verdict a match")
+        return Outcome("FAIL", "; ".join(mismatches) or f"exit {returncode} with every verdict a match", judged, tokens)
+    if partial:  # a pass that left tokens unjudged is no verdict on them
+        return Outcome("ERROR", "not every position judged: " + "; ".join(partial), judged, tokens)
     if ties:
-        return Outcome("TIE", "numerical tie: " + "; ".join(ties))
-    return Outcome("PASS")
+        return Outcome("TIE", "numerical tie: " + "; ".join(ties), judged, tokens)
+    return Outcome("PASS", "", judged, tokens)
 
 
 def run_cell(cell: Cell, max_new_tokens: int, device: str | None, timeout: float) -> tuple[Outcome, float]:
@@ -156,12 +171,21 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
     if any(c.block_size is None for c in cells):
         console.print("[dim]—: the lesson has no blocks; it ran once per dtype and prompt set, shown under the first "
                       "block size.[/]", soft_wrap=True)
-    console.print("[dim]TIE: only half-precision numerical ties, as the parity rule allows.[/]", soft_wrap=True)
+    console.print("[dim]TIE: only half-precision numerical ties, as the parity rule allows, every later position judged "
+                  "on our own tokens.[/]", soft_wrap=True)
     for c in cells:
         if outcomes[c].status != "PASS":
             where = f"{c.lesson} {c.dtype} {c.prompts}" + ("" if c.block_size is None else f" S={c.block_size}")
             console.print(f"[{STYLE[outcomes[c].status]}]{outcomes[c].status}[/] {where}: {outcomes[c].note}",
                           soft_wrap=True, highlight=False)
+
+
+def summary(outcomes: list[Outcome], seconds: float) -> str:
+    """The last line: runs per status, and how many generated tokens the parity rule judged (all, when it passes)."""
+    judged, tokens = sum(o.judged for o in outcomes), sum(o.tokens for o in outcomes)
+    return (f"{len(outcomes)} smoke runs in {seconds:.0f} s: "
+            + ", ".join(f"{sum(o.status == s for o in outcomes)} {s}" for s in STYLE)
+            + f"; positions judged: {judged} of {tokens} generated tokens")
 
 
 def _list(kind, allowed: set[str] | None = None):
@@ -216,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         list(pool.map(run, cells))
     render(console, cells, outcomes, args)
     bad = sum(o.status in ("FAIL", "ERROR") for o in outcomes.values())
-    console.print(f"{len(cells)} smoke runs in {time.perf_counter() - t0:.0f} s: "
-                  + ", ".join(f"{sum(o.status == s for o in outcomes.values())} {s}" for s in STYLE), highlight=False)
+    console.print(summary(list(outcomes.values()), time.perf_counter() - t0), highlight=False, soft_wrap=True)
     return 1 if bad else 0
 
 

@@ -1,7 +1,8 @@
-"""The oracle: HuggingFace transformers' own greedy `generate`, run on the same files and token IDs."""
+"""The oracle: HuggingFace transformers' own greedy `generate`, run on the same files and token IDs, and
+the same model scoring token lists it did not generate (ours, after a half-precision tie)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -9,12 +10,17 @@ import torch
 from shared.generation import StopRule
 
 
+NEAR = 8  # how many of HF's top logits each position keeps: a token outside them is not within rounding of the top
+
+
 @dataclass(frozen=True)
 class HfOutput:
-    tokens: list[int]
+    tokens: list[int]  # HF's pick at each position: what generate emitted, or what `score` says it would have
     margins: list[float]  # top-1 minus top-2 logit at each generated position
     top_logits: list[float]  # the top-1 logit there: half-precision rounding scales with it
-    runner_ups: list[int]  # HF's second choice there: the only token a numerical tie can swap in
+    runner_ups: list[int]  # HF's second choice there
+    # HF's logit for each of its NEAR best tokens at each position: how far below the top any candidate sits
+    near: list[dict[int, float]] = field(default_factory=list)
 
 
 class HfReference:
@@ -49,32 +55,46 @@ class HfReference:
             return_dict_in_generate=True,
         )
         tokens = out.sequences[0, len(prompt_ids):].tolist()
-        top2 = [step[0].float().topk(2) for step in out.logits[: len(tokens)]]
-        # On an exact tie topk may list HF's pick second: the runner-up is whichever of the two HF did not emit.
-        runner_ups = [int(t.indices[1] if int(t.indices[0]) == tok else t.indices[0]) for t, tok in zip(top2, tokens)]
-        return HfOutput(
-            tokens,
-            margins=[float(t.values[0] - t.values[1]) for t in top2],
-            top_logits=[float(t.values[0]) for t in top2],
-            runner_ups=runner_ups,
-        )
+        return _picks(torch.stack([step[0] for step in out.logits[: len(tokens)]]), tokens)
 
     @torch.inference_mode()
+    def score(self, ids: list[int], start: int, fp32: bool = False) -> HfOutput:
+        """HF's choice after ids[:k] for each k from `start` to len(ids), from one teacher-forced forward.
+
+        How HF judges tokens it did not generate: after a half-precision tie our continuation is no longer
+        HF's, so HF reads ours (prompt + our tokens) and says what it would have picked at each position.
+        Entry j is about position start + j; the last one is HF's choice after all of `ids`. `fp32`: the
+        arbiter's model, loaded from the checkpoint, instead of the run's dtype.
+        """
+        model = self._fp32_model() if fp32 else self.model
+        x = torch.tensor([ids], device=self.device)
+        logits = model(input_ids=x, attention_mask=torch.ones_like(x), logits_to_keep=len(ids) - start + 1).logits[0]
+        return _picks(logits, logits.argmax(-1).tolist())  # argmax: generate's greedy pick (the first on an exact tie)
+
     def fp32_argmax(self, ids: list[int]) -> int:
         """HF's greedy choice after `ids`, computed in fp32 from the checkpoint: the arbiter of half-precision ties.
 
         Loaded from the files, not upcast from the half-precision model, so it sees the checkpoint's own
         weights rather than their rounded copies.
         """
-        if self.dtype == torch.float32:
-            model = self.model
-        else:
-            if self._fp32 is None:
-                from transformers import AutoModelForCausalLM
+        return self.score(ids, len(ids), fp32=True).tokens[0]
 
-                self._fp32 = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-                self._fp32 = self._fp32.to(self.device).eval()
-            model = self._fp32
-        x = torch.tensor([ids], device=self.device)
-        logits = model(input_ids=x, attention_mask=torch.ones_like(x), logits_to_keep=1).logits
-        return int(logits[0, -1].argmax())
+    def _fp32_model(self):
+        if self.dtype == torch.float32:
+            return self.model
+        if self._fp32 is None:
+            from transformers import AutoModelForCausalLM
+
+            self._fp32 = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            self._fp32 = self._fp32.to(self.device).eval()
+        return self._fp32
+
+
+def _picks(logits: torch.Tensor, tokens: list[int]) -> HfOutput:
+    """One row of logits per position and the token picked there: margins, top logits, runner-ups, near tokens."""
+    values, indices = logits.float().topk(NEAR, dim=-1)
+    # On an exact tie topk may list the pick second: the runner-up is whichever of the two was not picked.
+    runner_ups = [i[1] if i[0] == tok else i[0] for i, tok in zip(indices.tolist(), tokens)]
+    return HfOutput(tokens, margins=(values[:, 0] - values[:, 1]).tolist(), top_logits=values[:, 0].tolist(),
+                    runner_ups=runner_ups,
+                    near=[dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())])

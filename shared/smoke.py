@@ -25,7 +25,7 @@ from shared.cli import resolve_device, resolve_dtype, resolve_model_dir
 from shared.config import Qwen3Config
 from shared.errors import CourseError
 from shared.generation import StopRule, check_prompt
-from shared.hf_reference import HfOutput, HfReference
+from shared.hf_reference import NEAR, HfOutput, HfReference
 from shared.model import Qwen3ForCausalLM
 from shared.parity import Verdict, compare
 from shared.tiny_qwen3 import default_model_dir
@@ -87,7 +87,8 @@ def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines
     t0 = time.perf_counter()
     hf_out = [hf.generate(ids, setup.stop) for ids in setup.prompt_ids]
     seconds["HF"] = time.perf_counter() - t0
-    verdicts = {name: [compare(o, h, setup.dtype, ids, hf.fp32_argmax) for o, h, ids in zip(outs, hf_out, setup.prompt_ids)]
+    # After a half-precision tie, `hf` scores our own tokens (teacher-forced) so every later position is judged too.
+    verdicts = {name: [compare(o, h, setup.dtype, setup.stop, ids, hf) for o, h, ids in zip(outs, hf_out, setup.prompt_ids)]
                 for name, outs in outputs.items()}
     ok = all(v.ok for vs in verdicts.values() for v in vs)
     extra = extra_check(model, setup, args) if extra_check else None  # None: the check does not apply
@@ -159,7 +160,7 @@ def _report(console: Console, lesson, setup: Setup, outputs, hf_out: list[HfOutp
         console.print(f"text: {setup.tokenizer.decode(outputs[names[0]][i])!r}", soft_wrap=True)
         for n in names:
             # soft_wrap: a result line stays one line in a pipe or a narrow terminal, so grep and the docs see it whole
-            console.print(f"{n} vs HF: {_describe(verdicts[n][i], setup.dtype)}", soft_wrap=True)
+            console.print(f"{n} vs HF: {_describe(verdicts[n][i], setup.dtype, len(outputs[n][i]))}", soft_wrap=True)
     console.rule("timing")
     for name, s in seconds.items():
         ratio = "" if name == "HF" else f"  ({seconds['HF'] / s:.2f}x HF's speed)" if s > 0 else ""
@@ -175,19 +176,35 @@ def _cell(tokens: list[int], pos: int, reference: list[int]) -> str:
     return str(tokens[pos]) if same else f"[bold red]{tokens[pos]}[/]"
 
 
-def _describe(v: Verdict, dtype: torch.dtype) -> str:
+def _describe(v: Verdict, dtype: torch.dtype, n_tokens: int) -> str:
     if v.status == "match":
         return "[green]identical[/]"
     margin = "n/a" if v.margin is None else f"{v.margin:.4g}"
-    where = f"first divergence at position {v.position}: ours {v.ours}, HF {v.theirs}, HF top-2 margin {margin}"
-    if v.status == "tie" and v.fp32_pick is not None:
-        return (f"[yellow]numerical tie[/] ({where}; HF run in fp32 on the same tokens picks ours, {v.fp32_pick}: "
-                f"HF's {dtype} rounding moved its argmax, not a failure)")
+    if v.ties and v.position != v.ties[0]:  # a mismatch after a tie: HF scored our own tokens there
+        where = f"at position {v.position}, after a numerical tie at {_positions(v.ties)} (HF scoring our own tokens): "
+        if v.ours is None:
+            return f"[bold red]MISMATCH[/] {where}ours ended with no EOS and before max-new-tokens; HF picks {v.theirs}"
+        if v.theirs is None:
+            return f"[bold red]MISMATCH[/] {where}ours {v.ours} after our own stop rule ended the output (EOS or max-new-tokens)"
+        where += f"ours {v.ours}, HF {v.theirs}, HF top-2 margin {margin}"
+    else:
+        where = f"first divergence at position {v.position}: ours {v.ours}, HF {v.theirs}, HF top-2 margin {margin}"
     if v.status == "tie":
-        return (f"[yellow]numerical tie[/] ({where} <= tolerance {v.tolerance:.3g} for {dtype}, and ours is HF's "
-                f"runner-up: not a failure)")
+        judged = (f"; {v.judged} of {n_tokens} positions judged (after the first tie on our own tokens), "
+                  f"ties at {_positions(v.ties)}")
+        if v.fp32_pick is not None:
+            return (f"[yellow]numerical tie[/] ({where}; HF run in fp32 on the same tokens picks ours, {v.fp32_pick}: "
+                    f"HF's {dtype} rounding moved its argmax, not a failure){judged}")
+        return (f"[yellow]numerical tie[/] ({where}; in HF's run ours is {v.gap:.4g} below the top logit, within the "
+                f"tolerance {v.tolerance:.3g} for {dtype}: not a failure){judged}")
     if v.fp32_pick is not None:
         where += f" (HF in fp32 picks {v.fp32_pick})"
-    if v.runner_up is not None and v.ours != v.runner_up:
-        where += f" (HF's runner-up was {v.runner_up}: ours is neither of HF's top two)"
+    if v.gap is None and v.ours is not None and v.theirs is not None:
+        where += f" (ours is not among HF's {NEAR} best tokens there)"
+    elif v.gap is not None:
+        where += f" (in HF's run ours is {v.gap:.4g} below the top logit; the tolerance is {v.tolerance:.3g})"
     return f"[bold red]MISMATCH[/] {where}"
+
+
+def _positions(positions: tuple[int, ...]) -> str:
+    return ", ".join(map(str, positions))

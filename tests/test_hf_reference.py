@@ -47,3 +47,21 @@ def test_the_fp32_arbiter_is_hf_in_fp32_from_the_checkpoint(tiny_dir, prompt_ids
         assert picks == fp32_tokens
     assert bf16._fp32 is not None and next(bf16._fp32.parameters()).dtype == torch.float32
     assert next(bf16.model.parameters()).dtype == torch.bfloat16  # the reference itself stays in bf16
+
+
+def test_the_scorer_is_hf_it_reproduces_generate_on_hfs_own_tokens(prompt_ids, hf):
+    """After a tie, HF judges our tokens by one teacher-forced forward (`score`). Fed HF's own greedy tokens
+    in fp32 it must say what `generate` said at every position: the same picks, the same logits up to the
+    summation order of a full forward against an incremental one, and the same runner-ups."""
+    stop = StopRule(20, ignore_eos=True)
+    for ids in prompt_ids:
+        gen = hf.generate(ids, stop)
+        scored = hf.ref.score(ids + gen.tokens, len(ids))
+        assert len(scored.tokens) == len(gen.tokens) + 1  # and one more: HF's choice after the last token
+        assert scored.tokens[:-1] == gen.tokens
+        assert scored.runner_ups[:-1] == gen.runner_ups
+        # fp32 sums in another order (a T-row forward, not T one-row steps; and the thread count changes blocking)
+        torch.testing.assert_close(scored.top_logits[:-1], gen.top_logits, rtol=1e-5, atol=1e-4)
+        # a margin is a difference of two such logits: its error is theirs, absolute, not relative to it
+        torch.testing.assert_close(scored.margins[:-1], gen.margins, rtol=0, atol=1e-3)
+        assert hf.ref.fp32_argmax(ids + gen.tokens) == scored.tokens[-1]  # the arbiter is that forward's last row

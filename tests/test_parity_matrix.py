@@ -26,10 +26,11 @@ def smoke_json(*verdicts: dict, extra: dict | None = None) -> str:
     return json.dumps(result) + "\n"
 
 
-MATCH = {"status": "match"}
-TIE = {"status": "tie", "position": 3, "ours": 7, "theirs": 8, "margin": 0.25, "tolerance": 0.75, "runner_up": 7}
+MATCH = {"status": "match", "judged": 2}  # each engine generated 2 tokens in smoke_json: all judged
+TIE = {"status": "tie", "position": 3, "ours": 7, "theirs": 8, "margin": 0.25, "tolerance": 0.75, "runner_up": 7,
+       "judged": 2, "ties": [3]}
 MISMATCH = {"status": "mismatch", "position": 1, "ours": 643, "theirs": 36928, "margin": 3.2, "tolerance": 0.0,
-            "runner_up": 11}
+            "runner_up": 11, "judged": 2, "ties": []}
 
 
 def test_every_engine_identical_is_pass():
@@ -44,6 +45,32 @@ def test_a_half_precision_tie_is_tie_and_says_so():
 def test_a_mismatch_is_fail_and_names_the_position():
     out = pm.classify(1, smoke_json(MATCH, MISMATCH), "")
     assert out.status == "FAIL" and "L2 at position 1: ours 643, HF 36928" in out.note
+
+
+def test_a_late_mismatch_after_a_tie_is_fail_and_names_the_ties():
+    late = MISMATCH | {"position": 14, "ties": [3, 9]}
+    out = pm.classify(1, smoke_json(MATCH, late), "")
+    assert out.status == "FAIL" and "L2 at position 14" in out.note and "ties at 3, 9" in out.note
+
+
+def test_positions_judged_are_counted_against_tokens_generated():
+    out = pm.classify(0, smoke_json(TIE | {"ties": [3, 5]}, MATCH), "")
+    assert (out.status, out.judged, out.tokens) == ("TIE", 4, 4) and "ties at 3, 5" in out.note
+    out = pm.classify(1, smoke_json(MATCH, MISMATCH | {"judged": 1}), "")
+    assert (out.status, out.judged, out.tokens) == ("FAIL", 3, 4)  # a mismatch stops the judging
+
+
+def test_the_summary_counts_runs_and_positions_judged():
+    outcomes = [pm.Outcome("PASS", "", 40, 40), pm.Outcome("TIE", "numerical tie: ...", 80, 80)]
+    assert pm.summary(outcomes, 12.3) == ("2 smoke runs in 12 s: 1 PASS, 1 TIE, 0 FAIL, 0 ERROR; "
+                                          "positions judged: 120 of 120 generated tokens")
+
+
+@pytest.mark.parametrize("verdict", [MATCH | {"judged": 1}, TIE | {"judged": 1}, {"status": "match"}])
+def test_a_pass_that_did_not_judge_every_token_is_error(verdict):
+    """A tie whose later tokens went unjudged (or a verdict without the count) is no verdict on those tokens."""
+    out = pm.classify(0, smoke_json(verdict, MATCH), "")
+    assert out.status == "ERROR" and "not every position judged: prompt 0 L3:" in out.note
 
 
 def test_a_failed_lesson_check_is_fail():
