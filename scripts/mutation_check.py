@@ -30,7 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from mutations import MUTATIONS, Mutation  # noqa: E402
+from mutations import MUTATIONS, Mutation, plant  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 
 FAILED = re.compile(r"^FAILED (\S+?)(?: - .*)?$", re.M)
@@ -77,24 +77,21 @@ def run_pytest(copy: Path, args: list[str], timeout: float) -> tuple[int | None,
 
 def check_one(copy: Path, m: Mutation, timeout: float) -> Result:
     t0 = time.monotonic()
-    path = copy / m.file
 
     def done(result: str, detail: str) -> Result:
         return Result(m.id, m.area, m.description, result, time.monotonic() - t0, detail)
 
     if any("test_docs" in a for a in m.tests):
         return done("error", "selector uses tests/test_docs.py (not behavioural)")
-    if not path.is_file():
-        return done("error", f"stale: {m.file} does not exist")
-    original = path.read_text()
-    n = original.count(m.old)
-    if n != 1:
-        return done("error", f"stale: snippet found {n} times in {m.file}")
-    path.write_text(original.replace(m.old, m.new))
+    try:
+        originals = plant(m, copy)
+    except ValueError as e:
+        return done("error", str(e))
     try:
         code, out = run_pytest(copy, list(m.tests), timeout)
     finally:
-        path.write_text(original)
+        for path, text in originals.items():
+            path.write_text(text)
     if code == 1:
         hit = FAILED.search(out)
         return done("caught", hit.group(1) if hit else "a test failed")

@@ -1,8 +1,11 @@
-"""Planted learner bugs for scripts/mutation_check.py: one exact snippet swap each, and the behavioural
-tests (never tests/test_docs.py) expected to catch it. `old` must occur exactly once in `file`."""
+"""Planted learner bugs for scripts/mutation_check.py: exact snippet swaps, and the behavioural tests (never
+tests/test_docs.py) expected to catch them. Each `old` must occur exactly once in its file. The lessons'
+exercises are here too (ids `l6-ex1-...`), so an exercise whose bug no longer applies or is no longer
+caught fails the check instead of going stale in a doc."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,29 @@ class Mutation:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments: node ids, files, or "-k", "expr"
+    more: tuple[tuple[str, str, str], ...] = ()  # further (file, old, new) swaps, for a bug spanning files
+
+    def edits(self) -> tuple[tuple[str, str, str], ...]:
+        return ((self.file, self.old, self.new), *self.more)
+
+
+def plant(m: Mutation, root: Path) -> dict[Path, str]:
+    """Apply every swap of `m` to the tree at `root`; return each touched file's original text, to restore.
+    Raises ValueError naming the first snippet that is not found exactly once (nothing is written then)."""
+    originals: dict[Path, str] = {}
+    planted: dict[Path, str] = {}
+    for file, old, new in m.edits():
+        path = root / file
+        if not path.is_file():
+            raise ValueError(f"stale: {file} does not exist")
+        text = planted.get(path, path.read_text())
+        originals.setdefault(path, text)
+        if text.count(old) != 1:
+            raise ValueError(f"stale: snippet found {text.count(old)} times in {file}")
+        planted[path] = text.replace(old, new)
+    for path, text in planted.items():
+        path.write_text(text)
+    return originals
 
 
 L1L2_PARITY = ("tests/test_l1_l2_parity.py::test_default_model_l1_l2_hf_ignore_eos",)
@@ -24,6 +50,12 @@ L4S = "lessons/l4_continuous/scheduler.py"
 L5S = "lessons/l5_preemption/scheduler.py"
 HOST = "lessons/l5_preemption/host_pool.py"
 SAMP = "lessons/l4_continuous/sampling.py"
+L6S = "lessons/l6_prefix_sharing/scheduler.py"
+L6_EXACT = "tests/test_l6_exact_counts.py"
+L7R = "lessons/l7_cuda_graphs/graph_runner.py"
+L7_COVER = "tests/test_l7_capture_coverage.py"
+L6_RANDOM = ("tests/test_l6_scheduler.py", "-k", "random")
+L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
 
 MUTATIONS: list[Mutation] = [
     # --- L1: contiguous cache ---
@@ -50,6 +82,10 @@ MUTATIONS: list[Mutation] = [
     Mutation("slot-logical-block", "slot math", "slot uses the logical block index, not the physical block id",
              REQ, "return self.blocks[pos // self.block_size] * self.block_size",
              "return (pos // self.block_size) * self.block_size", ("tests/test_l2_reserve.py", "tests/test_l3_batch_meta.py")),
+    Mutation("slot-no-block-size", "slot math", "slot forgets * S: block b's slots start at b and overlap the next block's "
+             "(docs/l2_token_flat.md, exercise 1)",
+             REQ, "self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size",
+             "self.blocks[pos // self.block_size] + pos % self.block_size", ("tests/test_l2_reserve.py", "-k", "slots")),
     Mutation("reserve-floor", "allocator", "reserve uses floor instead of ceil (one block too few)",
              REQ, "needed = -(-num_tokens // self.block_size) - len(self.blocks)",
              "needed = num_tokens // self.block_size - len(self.blocks)", ("tests/test_l2_reserve.py",)),
@@ -176,4 +212,83 @@ MUTATIONS: list[Mutation] = [
              "for dev, host in zip(self.device_pool.k, self.k):\n            host[dst]", ("tests/test_l5_parity.py", "-k", "swap")),
     Mutation("host-blocks-not-freed", "swap", "swap_in never frees the host blocks",
              HOST, "        self.allocator.free(host_blocks)\n", "", ("tests/test_l5_scheduler.py",)),
+    # --- L6: prefix cache and its statistics (tokens stay right: only exact counts see these) ---
+    Mutation("l6-keys-unchained", "prefix cache", "a block's key hashes its own tokens, not its parent's key too "
+             "(repeated blocks collide: registered once, later hits lost)",
+             "lessons/l6_prefix_sharing/prefix_cache.py", "keys.append(hash_fn(parent, ", "keys.append(hash_fn(None, ",
+             (f"{L6_EXACT}::test_a_prompt_whose_blocks_repeat_each_other",)),
+    Mutation("l6-register-prompt-only", "prefix cache", "register_written caches the prompt's blocks only: blocks "
+             "holding generated tokens are never hit (a re-admission recomputes them)",
+             L6S, "full, done = seq.num_cached // self.block_size, seq.extra.get(\"registered\", 0)",
+             "full, done = len(seq.prompt_ids) // self.block_size, seq.extra.get(\"registered\", 0)",
+             (f"{L6_EXACT}::test_a_preempted_request_re_hits_its_own_blocks_generated_tokens_included",)),
+    Mutation("l6-prefill-prompt-only", "stats", "prefill_tokens counts the prompt only (a re-admission's generated "
+             "tokens are computed but not counted)",
+             L6S, "self.stats.prefill_tokens += seq.num_tokens - seq.num_cached",
+             "self.stats.prefill_tokens += len(seq.prompt_ids) - seq.num_cached",
+             ("tests/test_l6_scheduler.py", "-k", "random_shared_prefix_workloads")),
+    Mutation("l6-cached-prompt-only", "stats", "cached_tokens counts at most the prompt (a re-admission's hit on "
+             "its generated tokens is not counted)",
+             L6S, "self.stats.cached_tokens += seq.num_cached",
+             "self.stats.cached_tokens += min(seq.num_cached, len(seq.prompt_ids))",
+             (f"{L6_EXACT}::test_a_preempted_request_re_hits_its_own_blocks_generated_tokens_included",)),
+    Mutation("l6-wait-ignores-running", "admission", "admission waits for blocks this step's other admissions "
+             "fill, not for the block a running request's decode completes (computes it again)",
+             L6S, "inflight = self.inflight_keys() if self.wait_for_inflight else set()", "inflight = set()",
+             (f"{L6_EXACT}::test_a_block_a_running_request_completes_is_waited_for",)),
+    # --- L7: capture sizes and graph bookkeeping (the eager path is right too: only exact counts see these) ---
+    Mutation("l7-graph-size-pow2", "graph sizes", "graph_size rounds the batch up to a power of two first "
+             "(33..39 rows of 40 find no size and run eagerly; 17..24 pad to 32)",
+             L7R, "return padded_size(self.sizes, len(requests))",
+             "return padded_size(self.sizes, 1 << (len(requests) - 1).bit_length())",
+             (f"{L7_COVER}::test_decode_batches_39_down_to_1_on_the_default_sizes",)),
+    Mutation("l7-no-output-is-prefill", "graph sizes", "graph_size calls a step prefill whenever a request has no "
+             "output yet: one-token first steps (1-token prompts, prompts cached but for one token) run eagerly",
+             L7R, "if any(r.num_tokens - r.num_cached != 1 for r in requests):",
+             "if any(not r.output_ids for r in requests):",
+             L7_USER_SIZES + (f"{L7_COVER}::test_requests_sharing_cached_prefix_blocks_decode_together",)),
+    Mutation("l7-sizes-not-deduped", "graph sizes", "check_capture_sizes sorts but does not deduplicate: a repeated "
+             "size is captured twice",
+             "lessons/l7_cuda_graphs/capture_sizes.py", "return sorted(set(sizes))", "return sorted(sizes)",
+             (f"{L7_COVER}::test_user_sizes_are_sorted_deduplicated_and_captured_once",)),
+    Mutation("l7-padding-per-step", "graph stats", "padded_rows counts padded steps, not padded rows",
+             L7R, "self.padded_rows + size - n", "self.padded_rows + (size > n)", L7_USER_SIZES),
+    Mutation("l7-real-rows-padded", "graph stats", "real_rows counts the padded size, padding included",
+             L7R, "self.real_rows + n,", "self.real_rows + size,", L7_USER_SIZES),
+    # --- the oracle itself (docs/README.md tells this bug's story) ---
+    Mutation("hf-no-mask", "HF reference", "HF generate called without an attention mask: it guesses one from "
+             "pad_token_id 0, and token 0 is '!', so a prompt ending in '!' loses its last token",
+             "shared/hf_reference.py", "            attention_mask=torch.ones_like(ids),\n", "",
+             ("tests/test_l1_l2_parity.py",)),
+    # --- the lessons' exercises: each doc's planted bug, caught by the test the doc names ---
+    Mutation("l6-ex1-evict-keeps-key", "L6 exercise 1", "eviction forgets to drop the block's key from the cache",
+             "lessons/l6_prefix_sharing/block_manager.py",
+             "                self.cache.drop(b)  # its key must not name a block about to hold other tokens\n", "",
+             L6_RANDOM),
+    Mutation("l6-ex2-no-cow", "L6 exercise 2", "a write into a shared block, no copy-on-write",
+             "lessons/l6_prefix_sharing/sequence.py",
+             "cow = i < len(self.blocks) and allocator.is_shared(self.blocks[i])", "cow = False",
+             ("tests/test_l6_fork.py",)),
+    Mutation("l6-ex3-match-every-block", "L6 exercise 3", "the match may take every block (no token left to feed)",
+             L6S, "limit = (len(tokens) - 1) // S", "limit = len(tokens) // S",
+             ("tests/test_l6_parity.py", "-k", "fully_cached")),
+    Mutation("l6-ex4-register-late", "L6 exercise 4", "blocks registered after postprocess, counted by num_tokens "
+             "(one slot early: the last sampled token is not written yet)",
+             "lessons/l6_prefix_sharing/engine.py",
+             "        self.scheduler.register_written(batch)\n", "",
+             L6_RANDOM,
+             more=(("lessons/l6_prefix_sharing/engine.py",
+                    "        return self.scheduler.postprocess(batch, tokens)",
+                    "        finished = self.scheduler.postprocess(batch, tokens)\n"
+                    "        self.scheduler.register_written([s for s in batch if s.blocks])\n"
+                    "        return finished"),
+                   (L6S, "full, done = seq.num_cached // self.block_size,", "full, done = seq.num_tokens // self.block_size,"))),
+    Mutation("l6-ex5-no-wait", "L6 exercise 5", "admission never waits for an in-flight prefix (as wait_for_inflight=False)",
+             L6S, "if len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight:", "if False:",
+             (f"{L6_EXACT}::test_same_step_arrivals_sharing_a_prefix",)),
+    Mutation("l7-ex-stale-rows", "L7 exercise", "only the real rows of the slot mapping are refilled (stale rows)",
+             "lessons/l7_cuda_graphs/static_buffers.py",
+             "self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)",
+             "self.slot_mapping[: len(requests)].copy_(torch.tensor(slots[: len(requests)]), non_blocking=True)",
+             ("tests/test_l7_graph_runner.py", "-k", "refilled or eight_rows")),
 ]

@@ -52,13 +52,21 @@ class FakeRunner:
         self.allocator = BlockAllocator(num_blocks)
         self.pool = FakePool(num_blocks, block_size)
         self.forwards = 0
+        self.tokens_fed = 0  # every position any forward wrote K/V for: what the engine really computed
+        # The last forward, one row per request: (seq_id, first position fed, tokens after it, block table).
+        # A row's first position is its num_cached on entry: for a fresh admission, the tokens it was served
+        # from the prefix cache; it feeds positions first .. tokens - 1.
+        self.last_rows: list[tuple[int, int, int, tuple[int, ...]]] = []
 
     def forward(self, requests) -> torch.Tensor:
         self.forwards += 1
+        self.last_rows = []
         out = []
         for r in requests:
             tokens = r.prompt_ids + r.output_ids
             assert r.num_cached < r.num_tokens, "a request fed with nothing new"
+            self.last_rows.append((getattr(r, "seq_id", -1), r.num_cached, r.num_tokens, tuple(r.blocks)))
+            self.tokens_fed += r.num_tokens - r.num_cached
             for p in range(r.num_cached, r.num_tokens):
                 b, o = self._slot(r, p)
                 for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v)):

@@ -6,6 +6,10 @@ held + cached-unreferenced = total, the three disjoint; every cache entry's toke
 equal what the pool holds in that block (the fake runner writes token ids as K/V); every running
 request's written history is intact in the pool (a held block was never evicted or overwritten).
 At the end: every request's tokens equal the reference, and every block is free or cached-unreferenced.
+
+And the statistics are audited against what really happened (Ledger), step by step: the tokens the fake
+runner was fed, the block tables it saw, the entries really dropped from the cache. Parity alone cannot see
+a miscounted statistic: the tokens stay right.
 """
 import random
 
@@ -79,9 +83,62 @@ def shared_workload(rng: random.Random, n: int, S: int, cap: int, span: int) -> 
     return out
 
 
+class Ledger:
+    """Counts, outside the scheduler, what its statistics claim, and checks them after every step.
+
+    A forward row whose request was not running before the step is an admission (a re-admission after
+    preemption included: a preempted request waits at least one step). Its first position fed is what the
+    cache served, its last what the admission needed in KV, the difference what was computed: so per step
+    prompt_tokens grows by the admissions' token counts, cached_tokens by their first positions,
+    prefill_tokens by the tokens the runner was really fed for them. Every other row is a request that was
+    running before: it must feed exactly its one new token, and a block of its table replaced in place (its
+    old table against the one the runner saw) is one copy-on-write. An eviction is an entry really removed
+    from the cache (counted by wrapping the cache's drop).
+    """
+
+    def __init__(self, engine):
+        self.engine, self.drops, self.decode_rows = engine, 0, 0
+        cache, drop = engine.cache, engine.cache.drop
+
+        def counted_drop(block: int) -> None:
+            before = len(cache)
+            drop(block)
+            self.drops += before - len(cache)
+
+        cache.drop = counted_drop
+
+    def counters(self) -> tuple[int, ...]:
+        s = self.engine.stats
+        return s.prompt_tokens, s.cached_tokens, s.prefill_tokens, s.cow_copies, s.evictions
+
+    def step(self) -> None:
+        e, runner = self.engine, self.engine.runner
+        tables = {seq.seq_id: tuple(seq.blocks) for seq in e.scheduler.running}
+        was, drops, forwards = self.counters(), self.drops, runner.forwards
+        e.step()
+        rows = runner.last_rows if runner.forwards > forwards else []
+        admitted = [row for row in rows if row[0] not in tables]
+        running = [row for row in rows if row[0] in tables]
+        assert all(end - first == 1 for _, first, end, _ in running), \
+            f"a running request fed more than its 1 new token: {running}"
+        copies = sum(old != new for seq_id, _, _, table in running for old, new in zip(tables[seq_id], table))
+        real = (sum(end for _, _, end, _ in admitted), sum(first for _, first, _, _ in admitted),
+                sum(end - first for _, first, end, _ in admitted), copies, self.drops - drops)
+        counted = tuple(now - before for now, before in zip(self.counters(), was))
+        assert counted == real, f"step {e.clock}: stats moved by (prompt, cached, prefill, cow, evictions) = " \
+                                f"{counted}; what happened: {real}"
+        self.decode_rows += len(running)
+
+    def check_totals(self) -> None:
+        s, runner = self.engine.stats, self.engine.runner
+        assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens
+        assert runner.tokens_fed == s.prefill_tokens + self.decode_rows, "the runner computed other tokens"
+
+
 def drive(engine, workload: list[tuple[Arrival, int]]) -> list[list]:
     groups, k = {}, 0
     order = sorted(range(len(workload)), key=lambda i: workload[i][0].step)
+    ledger = Ledger(engine)
     for _ in range(5_000):
         while k < len(order) and workload[order[k]][0].step <= engine.clock:
             a, n = workload[order[k]]
@@ -89,10 +146,11 @@ def drive(engine, workload: list[tuple[Arrival, int]]) -> list[list]:
             k += 1
         if k == len(order) and not engine.scheduler.has_work():
             break
-        engine.step()
+        ledger.step()
         check_shared_pool(engine)
     else:
         raise AssertionError("the engine did not finish: a hang")
+    ledger.check_totals()
     return [groups[i] for i in range(len(workload))]
 
 
