@@ -11,7 +11,8 @@ in docs/*.md and README.md is read as shell, split at `&&`, `;` and `|`:
 - `python scripts/X.py --opt ...`: every `--opt` is in X's `--help`. One subprocess prints every named
   script's help, so each script is asked once. Options shown alone (`--top-p 0.9`) must be accepted by
   some script the same doc names.
-- Output blocks: `<!-- output -->` (or `<!-- output exit=N -->`, default 0) on the line right before a
+- Output blocks: `<!-- output -->` (or `<!-- output exit=N -->`, default 0; `exact` after either turns off the
+  timing normalisation below, for figures in seconds that are arithmetic, not timings) on the line right before a
   fenced block whose first line is `$ [VAR=value ...] python scripts/X.py [options]`. The test runs that
   command on the embedded model, checks its exit status, and compares the rest of the block with what it
   printed (stdout, then stderr), token IDs included. Before comparing, both sides are normalised:
@@ -52,8 +53,8 @@ ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 SCRIPT = re.compile(r"(?<![\w/.-])scripts/[\w/]+\.py")
 NODE_REF = re.compile(r"(?<![\w/.-])((?:tests|scripts|shared|lessons)/[\w/.-]+\.py)::([\w.:]+)")
 HELP_OPTION = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
-OUTPUT_MARKER = re.compile(r"^<!-- output(?: exit=\d+)? -->", re.M)  # at a line start: prose may name it
-OUTPUT_BLOCK = re.compile(r"^<!-- output(?: exit=(\d+))? -->\n```[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+OUTPUT_MARKER = re.compile(r"^<!-- output(?: exit=\d+)?(?: exact)? -->", re.M)  # at a line start: prose may name it
+OUTPUT_BLOCK = re.compile(r"^<!-- output(?: exit=(\d+))?( exact)? -->\n```[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 TIMING = re.compile(r"\d\s*(?:s|ms|tok/s)\b|\dx HF's speed")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 RULE = re.compile(r"─{2,}")
@@ -318,33 +319,35 @@ class OutputBlock:
     exit: int
     command: str
     expected: list[str]
+    exact: bool  # no timing normalisation: every number is compared (sizing figures in seconds, not timings)
 
 
 def output_blocks(doc: Path) -> list[OutputBlock]:
     text = doc.read_text()
     blocks = []
     for m in OUTPUT_BLOCK.finditer(text):
-        first, *rest = m.group(2).splitlines() or [""]
-        blocks.append(OutputBlock(doc, text.count("\n", 0, m.start()) + 1, int(m.group(1) or 0), first, rest))
+        first, *rest = m.group(3).splitlines() or [""]
+        blocks.append(OutputBlock(doc, text.count("\n", 0, m.start()) + 1, int(m.group(1) or 0), first, rest,
+                                  bool(m.group(2))))
     return blocks
 
 
-def normalise(line: str, cache: str | None = None) -> str:
+def normalise(line: str, cache: str | None = None, exact: bool = False) -> str:
     if cache:
         line = line.replace(cache, DOC_CACHE)
     line = RULE.sub("──", line.rstrip())
-    if TIMING.search(line):
+    if TIMING.search(line) and not exact:
         line = re.sub(r" +", " ", NUMBER.sub("#", line))
     return line
 
 
-def expected_pattern(lines: list[str]) -> re.Pattern:
+def expected_pattern(lines: list[str], exact: bool = False) -> re.Pattern:
     parts = []
     for line in lines:
         if line.strip() == "...":
             parts.append(r"(?:[^\n]*\n)*?")
         else:
-            parts.append(re.escape(normalise(line)).replace(r"\.\.\.", r"[^\n]*?") + r"\n")
+            parts.append(re.escape(normalise(line, exact=exact)).replace(r"\.\.\.", r"[^\n]*?") + r"\n")
     return re.compile("".join(parts))
 
 
@@ -377,11 +380,11 @@ def test_output_block_is_what_the_command_prints(block):
         key, _, value = words.pop(0).partition("=")
         env[key] = value
     run = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    actual = [normalise(line, str(cache_root())) for line in (run.stdout + run.stderr).splitlines()]
+    actual = [normalise(line, str(cache_root()), block.exact) for line in (run.stdout + run.stderr).splitlines()]
     where = f"{block.doc.name}:{block.line} `{block.command}`"
     assert run.returncode == block.exit, (
         f"{where} exited {run.returncode}, the doc says {block.exit}:\n{run.stderr[-2000:]}")
-    if expected_pattern(block.expected).fullmatch("".join(line + "\n" for line in actual)) is None:
-        expected = [normalise(line) for line in block.expected]
+    if expected_pattern(block.expected, block.exact).fullmatch("".join(line + "\n" for line in actual)) is None:
+        expected = [normalise(line, exact=block.exact) for line in block.expected]
         diff = "\n".join(difflib.unified_diff(expected, actual, "doc", "now", lineterm=""))
         pytest.fail(f"{where} no longer prints what the doc shows (normalised as this file's docstring says):\n{diff}")

@@ -1,0 +1,210 @@
+"""Every sizing figure the lesson docs use, computed from Qwen3's published shapes and stated hardware numbers.
+
+    python scripts/sizing.py              # every topic
+    python scripts/sizing.py kv prefix    # the topics a doc quotes
+
+The docs quote this script's output in `<!-- output -->` blocks, which tests/test_doc_claims.py reruns, so a
+figure in a doc is the figure this arithmetic gives. Change an input below and the docs that quote it fail
+until they are updated. Sizes: KiB / MiB / GiB are powers of 1024; GB and GB/s are powers of 1000.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lessons.l3_block_tensor.backends.flashinfer_args import WORKSPACE_BYTES  # noqa: E402
+from lessons.l7_cuda_graphs.capture_sizes import default_capture_sizes  # noqa: E402
+from scripts.launch_count import QWEN3, qwen3_config  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
+from shared.config import Qwen3Config  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.tiny_qwen3 import TINY_CONFIG  # noqa: E402
+
+# Hardware figures: data-sheet peaks, and the share of them the docs assume real kernels reach.
+H100_BF16_FLOPS = 989e12  # H100 SXM, dense bf16 tensor-core peak
+H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
+PCIE4_BYTES_PER_S = 25e9  # PCIe 4.0 x16 in practice (32 GB/s nominal)
+GPU_BYTES = 80e9  # an 80 GB card
+HOST_US_PER_OP = 2.0  # one eager op's CPU side, measured on the course machine (docs/l7_cuda_graphs.md)
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+
+
+def tiny_config() -> Qwen3Config:
+    keys = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+            "tie_word_embeddings"}
+    return Qwen3Config(**{k: v for k, v in TINY_CONFIG.items() if k in keys}, eos_token_ids=(TINY_CONFIG["eos_token_id"],))
+
+
+MODELS = {"tiny": (tiny_config(), 4), **{name: (qwen3_config(name), 2) for name in QWEN3}}  # name -> (config, bytes)
+
+
+def params(cfg: Qwen3Config) -> tuple[int, int]:
+    """(all parameters as stored, those of the layers' matmuls), counted from the model built on meta."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters()) - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
+    matmul = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    return total, matmul
+
+
+def prefill_flop(cfg: Qwen3Config, tokens: int) -> float:
+    """One request's prefill: 2 FLOP per matmul weight per token, the causal attention's QK and PV over
+    tokens (tokens + 1) / 2 query-key pairs, and the LM head for the one row that is sampled."""
+    _, matmul = params(cfg)
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * (tokens + 1) / 2
+    return 2 * matmul * tokens + attention + 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def kib(n: float) -> str:
+    return f"{n / KIB:,.4g} KiB"
+
+
+def mib(n: float, digits: int = 1) -> str:
+    return f"{n / MIB:,.{digits}f} MiB".replace(".0 MiB", " MiB")
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def kv_bytes(name: str) -> int:
+    cfg, nbytes = MODELS[name]
+    return cfg.kv_bytes_per_token(nbytes)
+
+
+def topic_kv() -> None:
+    print("KV bytes per token = 2 (K and V) x Hkv x D x layers x dtype bytes")
+    for name, (cfg, nbytes) in MODELS.items():
+        b = kv_bytes(name)
+        dtype = "fp32" if nbytes == 4 else "bf16"
+        print(f"  {name:<11} 2 x {cfg.num_key_value_heads} x {cfg.head_dim} x {cfg.num_hidden_layers} x {nbytes} B "
+              f"({dtype}) = {b:,} B = {kib(b)}")
+
+
+def topic_reserve() -> None:
+    per, prompt, max_new, used_new, S = kv_bytes("Qwen3-8B"), 100, 4096, 150, 16
+    rows, used = prompt + max_new - 1, prompt + used_new - 1
+    print(f"Qwen3-8B bf16, {prompt}-token prompt, max-new-tokens {max_new:,}, EOS after {used_new} tokens:")
+    print(f"  L1 reserves {rows:,} rows x {kib(per)} = {mib(rows * per, 0)}; it uses {used} rows = {mib(used * per, 0)} "
+          f"({used / rows:.1%})")
+    blocks = math.ceil(used / S)
+    print(f"  paged, S = {S}: ceil({used} / {S}) = {blocks} blocks = {blocks * S} slots = {mib(blocks * S * per, 0)}; "
+          f"at most {S - 1} slots wasted = {mib((S - 1) * per)}")
+    print(f"  a 32k context: {32768:,} x {kib(per)} = {gib(32768 * per)}")
+    print("the default pool (4,096 slots), and L2's gather of a 1,024-token history per decode step (all layers, K and V):")
+    for name in MODELS:
+        print(f"  {name:<11} pool {mib(4096 * kv_bytes(name), 0)}, gather {mib(1024 * kv_bytes(name), 0)}")
+
+
+def topic_pages() -> None:
+    cfg, nbytes = MODELS["Qwen3-8B"]
+    per, S, hkv, d = kv_bytes("Qwen3-8B"), 16, cfg.num_key_value_heads, cfg.head_dim
+    pool, reqs = 40 * GIB, 32
+    print(f"Qwen3-8B bf16, S = {S}:")
+    print(f"  one page of one layer's K: {S} x {hkv} x {d} x {nbytes} B = {kib(S * hkv * d * nbytes)}")
+    print(f"  one block, all layers, K and V: {S} x {kib(per)} = {mib(S * per, 2)}")
+    print(f"  a 1,024-token history: L2 gathers 1,024 x {kib(per)} = {mib(1024 * per, 0)} per step; "
+          f"L3's page table is {1024 // S} int32 = {1024 // S * 4} B")
+    print(f"  a {pool // GIB} GiB pool: {pool // per:,} tokens = {pool // (per * S):,} blocks of {S}")
+    print(f"  {reqs} requests x 1,024 tokens: {gib(reqs * 1024 * per)}")
+
+
+def topic_pool() -> None:
+    cfg, nbytes = MODELS["Qwen3-8B"]
+    per, S, ctx = kv_bytes("Qwen3-8B"), 16, 32768
+    weights = params(cfg)[0] * nbytes
+    kv = 60e9
+    print(f"Qwen3-8B bf16 on an {GPU_BYTES / 1e9:.0f} GB GPU: weights {params(cfg)[0]:,} x {nbytes} B = "
+          f"{weights / 1e9:.1f} GB, about {kv / 1e9:.0f} GB left for KV = {kv / per / 1e3:,.1f}k tokens "
+          f"({int(kv // (per * S)):,} blocks of {S})")
+    print(f"  reserving the {ctx:,}-token context per request: {ctx * per / 1e9:.2f} GB each, {int(kv // (ctx * per))} requests")
+    need = math.ceil(1999 / S)
+    print(f"  L4's promise for 1,000 prompt + 1,000 output tokens: ceil(1,999 / {S}) = {need} blocks, "
+          f"{int(kv // (per * S)) // need} requests")
+
+
+def topic_swap() -> None:
+    per, tokens = kv_bytes("Qwen3-8B"), 2000
+    moved = tokens * per
+    flop = prefill_flop(MODELS["Qwen3-8B"][0], tokens)
+    print(f"Qwen3-8B bf16, a request holding {tokens:,} tokens:")
+    print(f"  swap moves {tokens:,} x {kib(per)} = {moved / 1e6:.0f} MB each way; over PCIe 4.0 x16 at "
+          f"{PCIE4_BYTES_PER_S / 1e9:.0f} GB/s: {moved / PCIE4_BYTES_PER_S * 1e3:.0f} ms out, the same back")
+    print(f"  recompute is a {tokens:,}-token prefill: {flop / 1e12:.1f} TFLOP = "
+          + ", ".join(f"{flop / (share * H100_BF16_FLOPS) * 1e3:.0f} ms at {share:.0%}" for share in (0.4, 0.6))
+          + f" of an H100's bf16 peak ({H100_BF16_FLOPS / 1e12:.0f} TFLOP/s)")
+
+
+def topic_prefix() -> None:
+    prefix, n = 900, 64
+    print(f"a {prefix}-token shared prefix, {n} requests (bf16):")
+    for name in ("Qwen3-0.6B", "Qwen3-8B"):
+        per = kv_bytes(name)
+        print(f"  {name:<11} {kib(per)} per token; the prefix {mib(prefix * per)}; {n} unshared copies "
+              f"{gib(n * prefix * per)}, shared {mib(prefix * per)}")
+    cfg = MODELS["Qwen3-8B"][0]
+    total, matmul = params(cfg)
+    one = prefill_flop(cfg, prefix)
+    print(f"  Qwen3-8B: {total:,} parameters, {matmul:,} in the layers' matmuls; one {prefix}-token prefill "
+          f"{one / 1e12:.1f} TFLOP")
+    saved = (n - 1) * one
+    print(f"  prefix sharing saves {n - 1} of the {n}: {saved / 1e12:.0f} TFLOP = {saved / (0.4 * H100_BF16_FLOPS):.1f} s "
+          f"of an H100 at 40% of its bf16 peak ({H100_BF16_FLOPS / 1e12:.0f} TFLOP/s)")
+    S = 16
+    blocks = prefix // S
+    print(f"  the cache's collision check keeps each block's whole prefix: at S = {S}, {blocks} blocks hold "
+          f"{S * blocks * (blocks + 1) // 2:,} token ids")
+
+
+def topic_launches() -> None:
+    from scripts.launch_count import count_decode_step, step_total
+
+    cfg, nbytes = MODELS["Qwen3-0.6B"]
+    ops = step_total(cfg, count_decode_step(cfg, torch.bfloat16))
+    weights = params(cfg)[0] * nbytes
+    host = ops * HOST_US_PER_OP * 1e-6
+    stream = weights / H100_HBM_BYTES_PER_S
+    print(f"Qwen3-0.6B bf16, one eager decode step of batch 1: {ops:,} kernels (scripts/launch_count.py)")
+    print(f"  host side at {HOST_US_PER_OP:g} us per op: {host * 1e3:.1f} ms")
+    print(f"  the arithmetic: read the weights once, {weights / 1e9:.2f} GB at {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s "
+          f"= {stream * 1e3:.2f} ms")
+    print(f"  the GPU would be idle {1 - stream / host:.0%} of the step")
+
+
+def topic_buffers() -> None:
+    cfg, nbytes = MODELS["Qwen3-8B"]
+    bmax, S, pool_tokens = 64, 16, 65536
+    sizes = len(default_capture_sizes(bmax))
+    pages = pool_tokens // S + 1  # the pool and L7's dummy block
+    indices = bmax * pages * 4
+    print(f"L7's static buffers for Qwen3-8B bf16 at Bmax {bmax}, a {pool_tokens:,}-token pool at S = {S}:")
+    print(f"  hidden {bmax} x {cfg.hidden_size} x {nbytes} B = {kib(bmax * cfg.hidden_size * nbytes)}")
+    print(f"  kv_indices {bmax} x {pages:,} x 4 B = {mib(indices, 2)}; the graph-mode wrappers' own copies, "
+          f"{sizes} sizes: {mib(sizes * indices, 1)}")
+    print(f"  one FlashInfer float workspace: {mib(WORKSPACE_BYTES, 0)}")
+
+
+TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
+          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers}
+
+
+def main() -> None:
+    p = OneLineParser(prog="sizing.py", description=__doc__.splitlines()[0])
+    p.add_argument("topics", nargs="*", metavar="TOPIC", help=f"any of {', '.join(TOPICS)} (default: all)")
+    args = p.parse_args()
+    unknown = [t for t in args.topics if t not in TOPICS]
+    if unknown:
+        p.error(f"unknown topic {unknown[0]!r}: choose from {', '.join(TOPICS)}")
+    for name in args.topics or TOPICS:
+        TOPICS[name]()
+
+
+if __name__ == "__main__":
+    main()
