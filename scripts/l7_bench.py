@@ -1,6 +1,6 @@
 """Per-step decode time, eager (L6's path) vs L7's static-buffer runner, at several batch sizes.
 
-    OMP_NUM_THREADS=1 python scripts/l7_bench.py [--batch-sizes 1,3,8,13] [--steps 40] [--device cpu]
+    OMP_NUM_THREADS=1 python scripts/l7_bench.py [--batch-sizes 1,3,8,13] [--steps 40] [--device cpu] [--model DIR]
 
 Both engines run the same B requests in one process: prefill, 3 warm-up decode steps, then `--steps` timed
 decode steps (schedule + forward + sample), the two engines' steps interleaved; median per step. On CPU there is no capture, so this measures
@@ -16,7 +16,8 @@ import torch
 
 from lessons.l7_cuda_graphs import L7Engine
 from lessons.l7_cuda_graphs.capture_sizes import default_capture_sizes, padded_size
-from shared.cli import OneLineParser, resolve_device, resolve_dtype
+from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir
+from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
 from shared.tiny_qwen3 import default_model_dir
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,3,8,13", help="comma-separated decode batch sizes")
     p.add_argument("--steps", type=int, default=40, help="timed decode steps per engine")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
     args = p.parse_args()
     try:
         batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -69,8 +71,12 @@ def main() -> None:
         p.error(f"--batch-sizes {args.batch_sizes!r}: use comma-separated integers")
     if args.steps < 1 or any(not 1 <= b <= MAX_RUNNING for b in batches):
         p.error(f"--steps must be >= 1 and every batch size 1..{MAX_RUNNING}")
-    device = resolve_device(args.device)
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), resolve_dtype(None, device), device)
+    try:
+        device = resolve_device(args.device)
+        model_dir = resolve_model_dir(args.model, default_model_dir)
+        model = Qwen3ForCausalLM.from_dir(model_dir, resolve_dtype(None, device), device)
+    except CourseError as e:
+        p.error(str(e))
     sizes = default_capture_sizes(MAX_RUNNING)
     print(f"device {device}, torch threads {torch.get_num_threads()}, {args.steps} timed steps, median ms per step")
     print(f"{'batch':>5} {'padded to':>9} {'eager ms':>9} {'L7 ms':>9} {'L7 / eager':>10}")

@@ -1,0 +1,169 @@
+"""With a GPU: one command runs everything the course could not check on a CPU, and prints a report to paste.
+
+    python scripts/gpu_check.py                        # the embedded model
+    python scripts/gpu_check.py --model ~/qwen3-0.6b   # and a real Qwen3 checkpoint
+    python scripts/gpu_check.py --dry-run              # what it would run (works without a GPU)
+
+Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7: graphs on and off),
+`scripts/l7_bench.py` (eager vs replayed decode steps), and the FlashInfer contract tests, on the embedded
+model and, with --model, on that checkpoint too. Each smoke is judged like a cell of the parity matrix
+(PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
+Exit 0 when nothing failed, 1 otherwise, 2 without CUDA or for bad options.
+"""
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.parity_matrix import Outcome, classify, discover  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
+
+CONTRACT_TESTS = ["tests/test_l3_flashinfer_contract.py", "tests/test_l7_flashinfer_contract.py"]
+TIMEOUT = 1800  # seconds per check: a real checkpoint's first CUDA run compiles kernels
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # "L3 flashinfer", "l7_bench", "FlashInfer contract tests"
+    model: str  # "embedded" or the --model argument
+    argv: tuple[str, ...]  # after `python`
+    kind: str  # "smoke", "bench" or "pytest"
+
+    def command(self) -> str:
+        return " ".join(["python", *self.argv])
+
+
+def smoke_options(script: Path) -> set[str]:
+    help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT).stdout
+    return {opt for opt in ("--backend", "--graphs") if opt in help_text}
+
+
+def plan(model: str | None, options: dict[Path, set[str]]) -> list[Check]:
+    """Every check, in the order they run. `options`: each smoke script -> which of --backend, --graphs it takes."""
+    checks = []
+    for label, model_args in [("embedded", [])] + ([(model, ["--model", model])] if model else []):
+        for script, opts in options.items():
+            lesson = script.name.split("_")[0].upper()
+            base = (str(script.relative_to(ROOT)), "--json", "--device", "cuda", "--dtype", "bfloat16", *model_args)
+            variants: list[tuple[str, list[str]]] = [("", [])]
+            if "--backend" in opts:
+                variants = [(" flashinfer", ["--backend", "flashinfer"]), (" torch", ["--backend", "torch"])]
+            if "--graphs" in opts:
+                variants = [(" flashinfer graphs on", ["--backend", "flashinfer", "--graphs", "on"]),
+                            (" flashinfer graphs off", ["--backend", "flashinfer", "--graphs", "off"]),
+                            (" torch", ["--backend", "torch"])]
+            checks += [Check(lesson + suffix, label, (*base, *extra), "smoke") for suffix, extra in variants]
+        checks.append(Check("l7_bench", label, ("scripts/l7_bench.py", "--device", "cuda", *model_args), "bench"))
+    checks.append(Check("FlashInfer contract tests", "-", ("-m", "pytest", "-q", *CONTRACT_TESTS), "pytest"))
+    return checks
+
+
+@dataclass(frozen=True)
+class Result:
+    check: Check
+    outcome: Outcome
+    seconds: float
+    output: str  # what a reader needs beyond the verdict: the bench table, the pytest summary
+
+
+def judge(check: Check, returncode: int | None, stdout: str, stderr: str) -> Outcome:
+    if check.kind == "smoke":
+        return classify(returncode, stdout, stderr)
+    last = (stdout.strip().splitlines() or [""])[-1]
+    if returncode is None:
+        return Outcome("ERROR", "timed out")
+    if check.kind == "pytest":
+        if returncode == 0 and "skipped" in last and "passed" not in last:
+            return Outcome("ERROR", f"every test skipped (is the flashinfer extra installed?): {last}")
+        return Outcome("PASS" if returncode == 0 else "FAIL", last)
+    error = (stderr.strip().splitlines() or [""])[-1]
+    return Outcome("PASS" if returncode == 0 else "ERROR", "" if returncode == 0 else f"exit {returncode}: {error}")
+
+
+def run(check: Check) -> Result:
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, *check.argv], capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT)
+        outcome = judge(check, r.returncode, r.stdout, r.stderr)
+        output = r.stdout.strip() if check.kind != "smoke" else ""
+    except subprocess.TimeoutExpired:
+        outcome, output = judge(check, None, "", ""), ""
+    return Result(check, outcome, time.perf_counter() - t0, output)
+
+
+def environment() -> list[str]:
+    import torch
+
+    lines = [f"- commit: {_git('rev-parse', '--short', 'HEAD')}{' (with local changes)' if _git('status', '--porcelain') else ''}",
+             f"- python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})"]
+    for name in ("flashinfer", "transformers"):
+        try:
+            module = __import__(name)
+            lines.append(f"- {name} {getattr(module, '__version__', 'unknown version')}")
+        except Exception as e:  # noqa: BLE001 - any import failure is worth reporting, not a crash
+            lines.append(f"- {name}: not importable ({type(e).__name__}: {e})")
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        lines.append(f"- GPU {i}: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+    return lines
+
+
+def _git(*args: str) -> str:
+    r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
+
+
+def report(env: list[str], results: list[Result]) -> str:
+    failed = sum(r.outcome.status in ("FAIL", "ERROR") for r in results)
+    lines = ["## GPU check: paged attention, lesson by lesson", "", *env, "",
+             f"{len(results)} checks, {failed} failed or errored.", "",
+             "| check | model | result | seconds | command | note |", "|---|---|---|---:|---|---|"]
+    for r in results:
+        note = r.outcome.note.replace("|", "\\|")
+        lines.append(f"| {r.check.name} | {r.check.model} | {r.outcome.status} | {r.seconds:.1f} | "
+                     f"`{r.check.command()}` | {note} |")
+    for r in results:
+        if r.check.kind == "bench" and r.output:
+            lines += ["", f"`{r.check.command()}`:", "", "```", r.output, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="also check this HF-format Qwen3 checkpoint directory (or a hub id you name)")
+    p.add_argument("--dry-run", action="store_true", help="print the checks it would run, run nothing (no GPU needed)")
+    p.add_argument("--out", help="also write the markdown report to this file")
+    args = p.parse_args(argv)
+    if args.model is not None and not args.model.strip():
+        p.error("--model is empty: give a checkpoint directory")
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error(f"no CUDA GPU visible to torch {torch.__version__}: gpu_check.py runs every smoke on CUDA "
+                "(use --dry-run to see what it would run)")
+    checks = plan(args.model, {script: smoke_options(script) for script in discover(ROOT / "scripts")})
+    if args.dry_run:
+        for c in checks:
+            print(f"{c.name} [{c.model}]: {c.command()}")
+        return 0
+    results = []
+    for i, check in enumerate(checks, 1):
+        results.append(run(check))
+        print(f"[{i}/{len(checks)}] {check.name} [{check.model}]: {results[-1].outcome.status} "
+              f"({results[-1].seconds:.1f} s)", file=sys.stderr)
+    text = report(environment(), results)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 1 if any(r.outcome.status in ("FAIL", "ERROR") for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

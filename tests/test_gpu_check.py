@@ -1,0 +1,87 @@
+"""scripts/gpu_check.py's plumbing, on CPU: the refusal without CUDA, the checks it plans, how it judges them,
+and the report a GPU owner pastes. Nothing here runs on a GPU; the checks themselves are the smokes'."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.gpu_check import Check, Result, judge, plan, report  # noqa: E402
+from scripts.parity_matrix import Outcome, discover  # noqa: E402
+
+NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_without_cuda_it_refuses_in_one_line_with_exit_2():
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py"], capture_output=True, text=True, cwd=ROOT, env=NO_CUDA)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: no CUDA GPU visible to torch"), r.stderr
+
+
+def options():
+    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 has --graphs."""
+    return {s: {"--backend"} | ({"--graphs"} if s.name == "l7_smoke.py" else set()) if int(s.name[1]) >= 3 else set()
+            for s in discover(ROOT / "scripts")}
+
+
+def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_and_the_contract_tests():
+    checks = plan(None, options())
+    smokes = [c for c in checks if c.kind == "smoke"]
+    assert all(("--device", "cuda") == c.argv[2:4] and ("--dtype", "bfloat16") == c.argv[4:6] for c in smokes)
+    names = [c.name for c in smokes]
+    assert names[:2] == ["L1", "L2"]
+    for lesson in ("L3", "L4", "L5", "L6"):
+        assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
+    assert {"L7 flashinfer graphs on", "L7 flashinfer graphs off", "L7 torch"} <= set(names)
+    assert len(smokes) == 2 + 2 * 4 + 3 == len(set(names))
+    assert [c.command() for c in checks if c.kind != "smoke"] == [
+        "python scripts/l7_bench.py --device cuda",
+        "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py"]
+
+
+def test_a_model_repeats_every_check_but_the_contract_tests_on_that_checkpoint():
+    base, with_model = plan(None, options()), plan("/ckpt", options())
+    mine = [c for c in with_model if c.model == "/ckpt"]
+    assert len(with_model) == 2 * len(base) - 1 and len(mine) == len(base) - 1
+    assert all(c.argv[c.argv.index("--model") + 1] == "/ckpt" for c in mine)
+    assert sum(c.kind == "pytest" for c in with_model) == 1
+
+
+def test_smokes_are_judged_like_the_parity_matrix_and_skipped_contract_tests_are_not_a_pass():
+    smoke = Check("L3 torch", "embedded", ("scripts/l3_smoke.py",), "smoke")
+    assert judge(smoke, 0, '{"prompts": [], "match": true}', "").status == "PASS"
+    assert judge(smoke, 1, "", "Traceback ...").status == "ERROR"
+    tests = Check("FlashInfer contract tests", "-", ("-m", "pytest"), "pytest")
+    assert judge(tests, 0, "12 passed in 3.1s", "") == Outcome("PASS", "12 passed in 3.1s")
+    assert judge(tests, 0, "12 skipped in 0.1s", "").status == "ERROR"
+    assert judge(tests, 1, "1 failed, 11 passed", "").status == "FAIL"
+    bench = Check("l7_bench", "embedded", ("scripts/l7_bench.py",), "bench")
+    assert judge(bench, 2, "", "error: --device cuda asked for").note == "exit 2: error: --device cuda asked for"
+
+
+def test_the_report_is_markdown_with_every_check_its_result_and_the_bench_table():
+    checks = plan(None, options())
+    results = [Result(c, Outcome("FAIL" if c.name == "L3 torch" else "PASS", "a | note" if c.name == "L3 torch" else ""),
+                      1.25, "batch ...\n1 1 0.50 0.20 0.40" if c.kind == "bench" else "") for c in checks]
+    text = report(["- GPU 0: test"], results)
+    lines = text.splitlines()
+    assert lines[0] == "## GPU check: paged attention, lesson by lesson" and "- GPU 0: test" in lines
+    assert f"{len(checks)} checks, 1 failed or errored." in lines
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| check")]
+    assert len(rows) == len(checks)
+    assert "| L3 torch | embedded | FAIL | 1.2 | `python scripts/l3_smoke.py --json --device cuda --dtype bfloat16 " \
+           "--backend torch` | a \\| note |" in rows
+    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2
+
+
+@pytest.mark.parametrize("argv, message", [(["--model", " "], "--model is empty"), (["--bogus"], "unrecognized")])
+def test_bad_options_are_one_line_exit_2(argv, message):
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", *argv], capture_output=True, text=True, cwd=ROOT,
+                       env=NO_CUDA)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
