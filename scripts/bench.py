@@ -4,7 +4,7 @@ once with max-length reservation versus paged blocks. Prints rich tables and wri
 
 Throughput is output tokens a request asked for, per second, as a ratio to the best HF baseline of the
 same invocation (never a bare number across machines), and as a share of this machine's own matmul
-roofline, measured in the same run (scripts/roofline.py). `--threads 1` on an idle machine gives the most
+roofline, measured in the same run (scripts/benchmark/roofline.py). `--threads 1` on an idle machine gives the most
 stable numbers; the run records its thread count and load average and warns when others shared the CPU.
 `--plot DIR` also draws PNGs (needs matplotlib). Not a test: tests never time anything.
 """
@@ -23,36 +23,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmark"))  # the benchmark's own modules
 import bench_conditions  # noqa: E402
 import bench_systems as bs  # noqa: E402
+from bench_systems import bench_shape_dir  # noqa: E402
 from kv_budget import budget_rows  # noqa: E402
 from roofline import Rates, WorkLog, flops, roofline_by_op  # noqa: E402
 from work_log import recording  # noqa: E402
 from shared.cli import OneLineParser, resolve_device, resolve_dtype  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
-from shared.tiny_qwen3 import cache_root, default_model_dir  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 SYSTEMS = ("hf-single", "hf-static", "hf-cb", "l3", "l4", "l5", "l6")
 WORKLOADS = ("mixed", "shared-prefix")
-# A shape where the matmuls, not Python and the vocab projection, dominate a step (random weights).
-BENCH_SHAPE = dict(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
-                   rope_theta=1e6, tie_word_embeddings=True)
-
-
-def bench_shape_dir() -> Path:
-    """Built once by transformers itself (its own seeded init) into the course cache."""
-    out = cache_root() / "bench-shape-v1"
-    if not (out / "config.json").is_file():
-        from transformers import Qwen3Config, Qwen3ForCausalLM as HfQwen3
-
-        torch.manual_seed(0)
-        HfQwen3(Qwen3Config(**BENCH_SHAPE)).save_pretrained(str(out))
-    return out
-
-
 def parser() -> OneLineParser:
     p = OneLineParser(prog="bench.py", description=__doc__)
     p.add_argument("--model", action="append", help="'tiny', 'bench' (a larger built-in shape) or an HF Qwen3 "

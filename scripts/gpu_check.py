@@ -5,7 +5,7 @@
     python scripts/gpu_check.py --dry-run              # what it would run (works without a GPU)
 
 Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7: graphs on and off),
-`scripts/l7_bench.py` (eager vs replayed decode steps), and the FlashInfer contract tests, on the embedded
+`scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
 Exit 0 when nothing failed, 1 otherwise, 2 without CUDA or for bad options.
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.parity_matrix import Outcome, classify, discover  # noqa: E402
+from scripts.checks.parity_matrix import Outcome, classify, discover  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 
 CONTRACT_TESTS = ["tests/test_l3_flashinfer_contract.py", "tests/test_l7_flashinfer_contract.py"]
@@ -60,7 +60,7 @@ def plan(model: str | None, options: dict[Path, set[str]]) -> list[Check]:
                             (" flashinfer graphs off", ["--backend", "flashinfer", "--graphs", "off"]),
                             (" torch", ["--backend", "torch"])]
             checks += [Check(lesson + suffix, label, (*base, *extra), "smoke") for suffix, extra in variants]
-        checks.append(Check("l7_bench", label, ("scripts/l7_bench.py", "--device", "cuda", *model_args), "bench"))
+        checks.append(Check("l7_bench", label, ("scripts/benchmark/l7_bench.py", "--device", "cuda", *model_args), "bench"))
     checks.append(Check("FlashInfer contract tests", "-", ("-m", "pytest", "-q", *CONTRACT_TESTS), "pytest"))
     return checks
 

@@ -1,10 +1,10 @@
-"""When bench.py warns that other work shared the CPU (scripts/bench_conditions.py)."""
+"""When bench.py warns that other work shared the CPU (scripts/benchmark/bench_conditions.py)."""
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmark"))
 from bench_conditions import contended  # noqa: E402
 
 

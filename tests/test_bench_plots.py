@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmark"))
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_plot_writes_nonempty_pngs(tmp_path):
     assert l4["timeline"] and l4["roofline_share"] > 0
 
 
-# Every system name bench.py reports, in its order (scripts/bench_systems.py).
+# Every system name bench.py reports, in its order (scripts/benchmark/bench_systems.py).
 SYSTEM_NAMES = ["HF generate, one at a time (16 requests)", "HF generate, static batches of 8",
                 "HF generate_batch (continuous)", "L3 static batches of 8", "L4 continuous",
                 "L5 preemption (recompute)", "L6 prefix sharing"]

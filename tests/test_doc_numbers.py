@@ -8,7 +8,7 @@ numbers region:
     <!-- numbers: mutation l1-rows-short $ python scripts/l1_smoke.py -->  ...  <!-- /numbers -->
 
 The test runs the command (on the embedded model, CPU, fp32, as output blocks run; with `mutation ID`,
-in a scratch copy of the repository with that planted bug of scripts/mutations.py applied) and requires
+in a scratch copy of the repository with that planted bug of scripts/checks/mutations.py applied) and requires
 every number in the region (`4,096` and `4096` alike) to appear among the numbers it printed. Changing a
 digit of a token ID or a figure then fails, and so does a command that stops printing it.
 
@@ -64,11 +64,11 @@ ALL_REGIONS = [(doc, *r) for doc in DOCS for r in regions(doc)]
 
 
 def _scratch_with(mutation_id: str, tmp: Path) -> Path:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "checks"))
     from mutations import MUTATIONS, plant  # noqa: E402
 
     mutation = next((m for m in MUTATIONS if m.id == mutation_id), None)
-    assert mutation is not None, f"no mutation {mutation_id!r} in scripts/mutations.py"
+    assert mutation is not None, f"no mutation {mutation_id!r} in scripts/checks/mutations.py"
     copy = tmp / "repo"
     for part in ("lessons", "shared", "scripts", "tests"):
         shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))

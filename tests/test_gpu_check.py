@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.gpu_check import Check, Result, judge, plan, report  # noqa: E402
-from scripts.parity_matrix import Outcome, discover  # noqa: E402
+from scripts.checks.parity_matrix import Outcome, discover  # noqa: E402
 
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
@@ -41,7 +41,7 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert {"L7 flashinfer graphs on", "L7 flashinfer graphs off", "L7 torch"} <= set(names)
     assert len(smokes) == 2 + 2 * 4 + 3 == len(set(names))
     assert [c.command() for c in checks if c.kind != "smoke"] == [
-        "python scripts/l7_bench.py --device cuda",
+        "python scripts/benchmark/l7_bench.py --device cuda",
         "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py"]
 
 
@@ -61,7 +61,7 @@ def test_smokes_are_judged_like_the_parity_matrix_and_skipped_contract_tests_are
     assert judge(tests, 0, "12 passed in 3.1s", "") == Outcome("PASS", "12 passed in 3.1s")
     assert judge(tests, 0, "12 skipped in 0.1s", "").status == "ERROR"
     assert judge(tests, 1, "1 failed, 11 passed", "").status == "FAIL"
-    bench = Check("l7_bench", "embedded", ("scripts/l7_bench.py",), "bench")
+    bench = Check("l7_bench", "embedded", ("scripts/benchmark/l7_bench.py",), "bench")
     assert judge(bench, 2, "", "error: --device cuda asked for").note == "exit 2: error: --device cuda asked for"
 
 

@@ -1,4 +1,4 @@
-"""scripts/parity_matrix.py judges each smoke run by the contract and builds the grid it promises; no smoke runs here
+"""scripts/checks/parity_matrix.py judges each smoke run by the contract and builds the grid it promises; no smoke runs here
 (the matrix itself takes minutes: .ci/run runs it)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "checks"))
 import parity_matrix as pm  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""scripts/profile_l4.py runs and accounts for the run: the engine step is the whole profiled time, and a
+"""scripts/benchmark/profile_l4.py runs and accounts for the run: the engine step is the whole profiled time, and a
 bad option is one line with exit 2."""
 import os
 import re
@@ -11,7 +11,7 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1", "COLUMNS": "200"}
 
 
 def profile(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/profile_l4.py", *args], cwd=ROOT, env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "scripts/benchmark/profile_l4.py", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=120)
 
 

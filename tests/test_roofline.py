@@ -1,4 +1,4 @@
-"""FLOP counting of scripts/roofline.py and the hooks of scripts/work_log.py, on a config small enough to
+"""FLOP counting of scripts/benchmark/roofline.py and the hooks of scripts/benchmark/work_log.py, on a config small enough to
 count by hand.
 
 The config: vocab V=10, hidden E=4, MLP I=6, 2 layers, H_q=2 query heads and H_kv=1 KV head of D=2.
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmark"))
 from roofline import (Rates, WorkLog, bucket, causal_pairs, flops, linear_params, roofline_by_op,  # noqa: E402
                       roofline_seconds)
 from work_log import hf_forward, ours_forward  # noqa: E402

@@ -1,6 +1,6 @@
 """Where L4's time goes: one L4 run of the benchmark's mixed workload under cProfile, split by the engine's seams.
 
-    OMP_NUM_THREADS=1 python scripts/profile_l4.py --model bench --requests 24
+    OMP_NUM_THREADS=1 python scripts/benchmark/profile_l4.py --model bench --requests 24
 
 Each row is the cumulative time inside one function (all its calls), as a share of the whole run; rows
 nest (the model's forward contains the layer matmuls and the attention), so only siblings add up.
@@ -20,7 +20,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_systems as bs  # noqa: E402
-from bench import bench_shape_dir  # noqa: E402
+from bench_systems import bench_shape_dir  # noqa: E402
 from lessons.l4_continuous import L4Engine  # noqa: E402
 from shared.cli import OneLineParser, resolve_dtype  # noqa: E402
 from shared.errors import CourseError  # noqa: E402

@@ -1,6 +1,6 @@
 """Per-step decode time, eager (L6's path) vs L7's static-buffer runner, at several batch sizes.
 
-    OMP_NUM_THREADS=1 python scripts/l7_bench.py [--batch-sizes 1,3,8,13] [--steps 40] [--device cpu] [--model DIR]
+    OMP_NUM_THREADS=1 python scripts/benchmark/l7_bench.py [--batch-sizes 1,3,8,13] [--steps 40] [--device cpu] [--model DIR]
 
 Both engines run the same B requests in one process: prefill, 3 warm-up decode steps, then `--steps` timed
 decode steps (schedule + forward + sample), the two engines' steps interleaved; median per step. On CPU there is no capture, so this measures

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -20,6 +21,7 @@ from lessons.l4_continuous.stats import EngineStats
 from lessons.l5_preemption import L5Engine
 from lessons.l6_prefix_sharing import L6Engine
 from shared.generation import StopRule
+from shared.tiny_qwen3 import cache_root
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
 
@@ -224,3 +226,20 @@ def l6(model, jobs, block_size, num_blocks, max_running, backend, progress) -> R
         r.notes.append("KV util above 100%: every request counts the shared tokens it holds, so logical KV exceeds "
                        "the physical slots")
     return r
+
+
+# A shape where the matmuls, not Python and the vocab projection, dominate a step (random weights).
+BENCH_SHAPE = dict(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                   rope_theta=1e6, tie_word_embeddings=True)
+
+
+def bench_shape_dir() -> Path:
+    """Built once by transformers itself (its own seeded init) into the course cache."""
+    out = cache_root() / "bench-shape-v1"
+    if not (out / "config.json").is_file():
+        from transformers import Qwen3Config, Qwen3ForCausalLM as HfQwen3
+
+        torch.manual_seed(0)
+        HfQwen3(Qwen3Config(**BENCH_SHAPE)).save_pretrained(str(out))
+    return out

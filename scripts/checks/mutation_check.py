@@ -1,7 +1,7 @@
-"""Planted-bug check: apply each realistic learner bug (scripts/mutations.py) to a temporary copy of the
+"""Planted-bug check: apply each realistic learner bug (scripts/checks/mutations.py) to a temporary copy of the
 working tree, run the behavioural tests expected to catch it, and print the catch rate.
 
-    OMP_NUM_THREADS=1 python scripts/mutation_check.py --jobs 2
+    OMP_NUM_THREADS=1 python scripts/checks/mutation_check.py --jobs 2
 
 Not part of CI (slow). Exit 0 only if every mutation is caught, 1 otherwise, 2 for bad options.
 Caught = pytest exit 1 (a test failed); survived = exit 0; anything else (usage/collection error,
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "checks"))
 
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--timeout must be positive, got {args.timeout}")
     ids = [m.id for m in MUTATIONS]
     if len(set(ids)) != len(ids):
-        p.error("duplicate mutation ids in scripts/mutations.py")
+        p.error("duplicate mutation ids in scripts/checks/mutations.py")
     selected = MUTATIONS
     if args.only:
         want = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -1,7 +1,7 @@
 """What a preempted request costs to bring back: L5's swap (copy its blocks out and in) against recompute
 (prefill its whole history again), for histories of several lengths, on the embedded tiny model.
 
-    OMP_NUM_THREADS=1 python scripts/swap_cost.py --threads 1
+    OMP_NUM_THREADS=1 python scripts/benchmark/swap_cost.py --threads 1
 
 Each figure is the best of --repeats runs. On a CPU the "host" pool is just another CPU tensor, so a swap
 is a memory copy; on a GPU it crosses PCIe and the balance shifts (docs/l5_preemption.md sizes it).

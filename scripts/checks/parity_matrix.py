@@ -1,7 +1,7 @@
 """Parity matrix: every lesson's smoke over block sizes, dtypes and prompt sets, in one table.
 
-    OMP_NUM_THREADS=1 python scripts/parity_matrix.py            # the full grid, one smoke at a time
-    python scripts/parity_matrix.py --lessons l2,l5 --dtypes float32
+    OMP_NUM_THREADS=1 python scripts/checks/parity_matrix.py            # the full grid, one smoke at a time
+    python scripts/checks/parity_matrix.py --lessons l2,l5 --dtypes float32
 
 Lessons are found as scripts/l<N>_smoke.py, so a new lesson joins the grid by existing. Each cell is one
 smoke run with --json, judged from its exit status and JSON (see `classify`):
@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402

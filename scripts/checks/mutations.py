@@ -1,4 +1,4 @@
-"""Planted learner bugs for scripts/mutation_check.py: exact snippet swaps, and the behavioural tests (never
+"""Planted learner bugs for scripts/checks/mutation_check.py: exact snippet swaps, and the behavioural tests (never
 tests/test_docs.py) expected to catch them. Each `old` must occur exactly once in its file. The lessons'
 exercises are here too (ids `l6-ex1-...`), so an exercise whose bug no longer applies or is no longer
 caught fails the check instead of going stale in a doc."""
