@@ -66,3 +66,18 @@ def test_embedded_images_exist(doc):
     missing = [src for src in IMAGE.findall(doc.read_text())
                if "://" not in src and not (doc.parent / src).is_file()]
     assert not missing, f"{doc.relative_to(ROOT)} embeds pictures that do not exist: {missing}"
+
+
+LESSONS = sorted(p for p in (ROOT / "docs").glob("l*_*.md") if not p.stem.endswith("_appendix"))
+MAIN_PATH_WORDS = 4500  # about what one sitting holds; measurement logs and reference detail go to an appendix
+
+
+@pytest.mark.parametrize("doc", LESSONS, ids=lambda p: p.name)
+def test_a_lesson_reads_in_one_sitting(doc):
+    """A lesson's main path stays near 4,000 words; `docs/lN_<name>_appendix.md` holds what it links to."""
+    words = len(doc.read_text().split())
+    assert words <= MAIN_PATH_WORDS, (f"{doc.name} has {words} words (at most {MAIN_PATH_WORDS}): move measurement "
+                                      f"logs and reference detail to docs/{doc.stem}_appendix.md and link it")
+    appendix = doc.with_name(f"{doc.stem}_appendix.md")
+    if appendix.exists():
+        assert appendix.name in doc.read_text(), f"{doc.name} does not link its appendix {appendix.name}"
