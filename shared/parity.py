@@ -71,7 +71,7 @@ def compare(ours: list[int], hf: HfOutput, dtype: torch.dtype, stop: StopRule, p
     Lengths: ours must end exactly where the stop rule ends it (after an EOS that was itself judged
     acceptable, unless EOS is ignored, or at max_new_tokens). With every token equal, a different length
     means the stop rule differs: a mismatch, never a tie. Running on where HF would pick EOS is a
-    divergence like any other (allowed only as a tie), as is stopping at an EOS that is HF's runner-up.
+    divergence like any other (allowed only as a tie), as is stopping at an EOS within rounding of HF's top.
     The arbiter (fp32) is asked only in half precision, only when the rounding rule says no. Without an
     oracle, only the rounding rule applies, and a tie with tokens after it cannot be judged: ValueError.
     """
