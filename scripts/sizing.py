@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ def tiny_config() -> Qwen3Config:
 MODELS = {"tiny": (tiny_config(), 4), **{name: (qwen3_config(name), 2) for name in QWEN3}}  # name -> (config, bytes)
 
 
+@lru_cache(maxsize=None)  # several topics ask; the meta model is built once per shape
 def params(cfg: Qwen3Config) -> tuple[int, int]:
     """(all parameters as stored, those of the layers' matmuls), counted from the model built on meta."""
     with torch.device("meta"):

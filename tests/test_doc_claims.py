@@ -368,14 +368,21 @@ def test_every_output_marker_has_a_runnable_block(doc):
             f"{_name(doc)}:{b.line}: an output block starts with `$ python scripts/...`, not {b.command!r}")
 
 
+def doc_run_env() -> dict[str, str]:
+    """How a doc's command runs in a test: no line wrapping, one thread, offline, CUDA hidden (CPU and fp32, as
+    the docs show). tests/test_doc_numbers.py runs its commands the same way."""
+    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("FORCE_COLOR", None)  # colour codes would be compared as text
+    return env
+
+
 @pytest.mark.parametrize("block", ALL_OUTPUT_BLOCKS, ids=lambda b: f"{_name(b.doc)}:{b.line}")
 def test_output_block_is_what_the_command_prints(block):
     from shared.tiny_qwen3 import cache_root
 
     words = shlex.split(block.command.removeprefix("$ "))
     # CUDA hidden: `--device auto` then means the CPU and fp32 on every machine, as the docs show.
-    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("FORCE_COLOR", None)  # colour codes would be compared as text
+    env = doc_run_env()
     while ENV_ASSIGNMENT.match(words[0]):
         key, _, value = words.pop(0).partition("=")
         env[key] = value

@@ -18,7 +18,6 @@ separator) in a doc's prose must sit in an output block, a numbers region, or a 
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -29,6 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from test_doc_claims import doc_run_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -82,8 +82,7 @@ def _printed(command: str, mutation: str | None) -> str:
     cwd = ROOT if mutation is None else _scratch_with(mutation, Path(tempfile.mkdtemp(prefix="mutant-")))
     words = shlex.split(command)
     assert words[0] == "python", f"a numbers region runs `python ...`, not {command!r}"
-    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(cwd)}
+    env = {**doc_run_env(), "PYTHONPATH": str(cwd)}  # a mutant copy's code, not the installed tree's
     run = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
     if mutation is not None:
         shutil.rmtree(cwd.parent, ignore_errors=True)
