@@ -10,12 +10,14 @@ from shared.model import Qwen3ForCausalLM
 
 
 class L7Engine(L6Engine):
+    runner_class: type[GraphRunner] = GraphRunner  # L8 swaps in its slice-aware subclass
+
     def __init__(self, model: Qwen3ForCausalLM, block_size: int = 16, num_blocks: int | None = None,
                  max_running: int = DEFAULT_MAX_RUNNING, backend: str = "auto", *, graphs: bool = True,
                  capture_sizes: list[int] | None = None, **kwargs):
         num_blocks = pool_blocks(block_size, num_blocks)
         # One block more than asked for: the dummy block. Requests still get num_blocks, as in L6.
-        runner = GraphRunner(model, block_size, num_blocks + 1, backend)
+        runner = self.runner_class(model, block_size, num_blocks + 1, backend)
         super().__init__(model, block_size, num_blocks, max_running, backend, runner=runner, **kwargs)
         sizes = default_capture_sizes(max_running) if capture_sizes is None else list(capture_sizes)
         sizes = check_capture_sizes(sizes, max_running) if graphs else []
