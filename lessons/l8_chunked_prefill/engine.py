@@ -60,7 +60,7 @@ class L8Engine(L7Engine):
         for i, seq in enumerate(list(sampled)):
             children = self.scheduler.fork(seq)  # n > 1: only once the prompt is complete
             sampled += children
-            rows += [i] * len(children)
+            rows += [i] * len(children)  # each child samples its first token from the parent's last row
         if len(rows) > len(logits):
             logits = logits[rows]
         tokens = sample(logits, [s.sampling for s in sampled], [s.generator for s in sampled]) if sampled else []
