@@ -114,3 +114,29 @@ def reference(prompt: list[int], max_new: int) -> list[int]:
 def fake_model(max_positions: int = 4096) -> SimpleNamespace:
     cfg = Qwen3Config(VOCAB, 8, 8, 2, 1, 1, 8, 1e-6, 1e6, max_positions, True, ())
     return SimpleNamespace(config=cfg, lm_head=SimpleNamespace(weight=torch.zeros(1)))
+
+
+class FakeChunkRunner(FakeRunner):
+    """FakeRunner behind L8's runner contract, for L8Engine's `runner_class` (L7's engine builds its runner
+    itself, as runner_class(model, block_size, num_blocks, backend), then calls capture(sizes, dummy_block)).
+
+    forward(slices) computes every slice, as FakeRunner does, and returns logits rows only for the slices
+    that sample (`slice.samples`), in batch order: a slice that stops inside a prompt gets none. Graphs are
+    never captured (a test passes graphs=False); capture only records the dummy block.
+    """
+
+    def __init__(self, model, block_size: int, num_blocks: int, backend: str = "auto"):
+        super().__init__(block_size, num_blocks)
+        self.model, self.backend_choice = model, backend
+        self.dummy_block, self.sizes = -1, []
+        self.eager_steps = 0
+        self.replays = 0  # never: the fake has no graphs
+
+    def capture(self, sizes: list[int], dummy_block: int) -> None:
+        self.sizes, self.dummy_block = sorted(sizes), dummy_block
+
+    def forward(self, slices) -> torch.Tensor:
+        self.eager_steps += 1
+        sampling = [i for i, s in enumerate(slices) if s.samples]  # before: forward advances num_cached
+        logits = super().forward(slices)
+        return logits[sampling]

@@ -31,7 +31,7 @@ class PrefixScheduler(PreemptingScheduler):
         tokens, S = seq.all_tokens(), self.block_size
         limit = (len(tokens) - 1) // S
         hits = []
-        for i, key in enumerate(self.keys(seq, limit)):
+        for i, key in enumerate(self.keys(seq, limit)[:limit]):  # keys may run further (pending_keys)
             block = self.cache.lookup(key, tuple(tokens[:(i + 1) * S]))
             if block is None:
                 break
