@@ -4,8 +4,9 @@
     python scripts/gpu_check.py --model ~/qwen3-0.6b   # and a real Qwen3 checkpoint
     python scripts/gpu_check.py --dry-run              # what it would run (works without a GPU)
 
-Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7: graphs on and off),
-`scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), and the FlashInfer contract tests, on the embedded
+Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7 and L8: graphs on and
+off), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
+(the token-budget sweep, where chunking should cost some throughput, unlike on a CPU), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
 Exit 0 when nothing failed, 1 otherwise, 2 without CUDA or for bad options.
@@ -25,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 from scripts.checks.parity_matrix import Outcome, classify, discover  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 
-CONTRACT_TESTS = ["tests/test_l3_flashinfer_contract.py", "tests/test_l7_flashinfer_contract.py"]
+CONTRACT_TESTS = ["tests/test_l3_flashinfer_contract.py", "tests/test_l7_flashinfer_contract.py",
+                  "tests/test_l8_flashinfer_contract.py"]
 TIMEOUT = 1800  # seconds per check: a real checkpoint's first CUDA run compiles kernels
 
 
@@ -61,6 +63,8 @@ def plan(model: str | None, options: dict[Path, set[str]]) -> list[Check]:
                             (" torch", ["--backend", "torch"])]
             checks += [Check(lesson + suffix, label, (*base, *extra), "smoke") for suffix, extra in variants]
         checks.append(Check("l7_bench", label, ("scripts/benchmark/l7_bench.py", "--device", "cuda", *model_args), "bench"))
+        checks.append(Check("l8_bench", label, ("scripts/benchmark/l8_bench.py", "--device", "cuda", "--quick", "--no-png",
+                                                *model_args), "bench"))
     checks.append(Check("FlashInfer contract tests", "-", ("-m", "pytest", "-q", *CONTRACT_TESTS), "pytest"))
     return checks
 

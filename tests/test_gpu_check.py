@@ -25,8 +25,8 @@ def test_without_cuda_it_refuses_in_one_line_with_exit_2():
 
 
 def options():
-    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 has --graphs."""
-    return {s: {"--backend"} | ({"--graphs"} if s.name == "l7_smoke.py" else set()) if int(s.name[1]) >= 3 else set()
+    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 on have --graphs."""
+    return {s: {"--backend"} | ({"--graphs"} if int(s.name[1]) >= 7 else set()) if int(s.name[1]) >= 3 else set()
             for s in discover(ROOT / "scripts")}
 
 
@@ -38,11 +38,14 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert names[:2] == ["L1", "L2"]
     for lesson in ("L3", "L4", "L5", "L6"):
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
-    assert {"L7 flashinfer graphs on", "L7 flashinfer graphs off", "L7 torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 3 == len(set(names))
+    for lesson in ("L7", "L8"):
+        assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
+    assert len(smokes) == 2 + 2 * 4 + 3 * 2 == len(set(names))
     assert [c.command() for c in checks if c.kind != "smoke"] == [
         "python scripts/benchmark/l7_bench.py --device cuda",
-        "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py"]
+        "python scripts/benchmark/l8_bench.py --device cuda --quick --no-png",
+        "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py "
+        "tests/test_l8_flashinfer_contract.py"]
 
 
 def test_a_model_repeats_every_check_but_the_contract_tests_on_that_checkpoint():
@@ -77,7 +80,8 @@ def test_the_report_is_markdown_with_every_check_its_result_and_the_bench_table(
     assert len(rows) == len(checks)
     assert "| L3 torch | embedded | FAIL | 1.2 | `python scripts/l3_smoke.py --json --device cuda --dtype bfloat16 " \
            "--backend torch` | a \\| note |" in rows
-    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2
+    benches = sum(c.kind == "bench" for c in checks)  # l7_bench and l8_bench: each output in its own fenced block
+    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2 * benches == 4
 
 
 @pytest.mark.parametrize("argv, message", [(["--model", " "], "--model is empty"), (["--bogus"], "unrecognized")])

@@ -55,6 +55,9 @@ L6_EXACT = "tests/test_l6_exact_counts.py"
 L7R = "lessons/l7_cuda_graphs/graph_runner.py"
 L7_COVER = "tests/test_l7_capture_coverage.py"
 L6_RANDOM = ("tests/test_l6_scheduler.py", "-k", "random")
+L8S = "lessons/l8_chunked_prefill/scheduler.py"
+L8_BUDGETS = ("tests/test_l8_parity.py", "-k", "any_budget")
+L8_RANDOM = ("tests/test_l8_scheduler.py", "-k", "random")
 L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
 
 MUTATIONS: list[Mutation] = [
@@ -291,4 +294,28 @@ MUTATIONS: list[Mutation] = [
              "self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)",
              "self.slot_mapping[: len(requests)].copy_(torch.tensor(slots[: len(requests)]), non_blocking=True)",
              ("tests/test_l7_graph_runner.py", "-k", "refilled or eight_rows")),
+    Mutation("l8-ex-sample-partial", "L8 exercise", "every slice gets a logits row and is sampled, a prompt's middle too",
+             "lessons/l8_chunked_prefill/runner.py",
+             "sampling = [i for i, s in enumerate(slices) if s.samples]",
+             "sampling = list(range(len(slices)))",
+             L8_BUDGETS,
+             more=(("lessons/l8_chunked_prefill/engine.py",
+                    "sampled = [piece.seq for piece in plan if piece.samples]",
+                    "sampled = [piece.seq for piece in plan]"),)),
+    Mutation("l8-slice-before-hit", "L8 chunked prefill", "the first slice is sized before the prefix hit is applied",
+             L8S, "n = self.slice_size(seq.num_tokens - cached)", "n = self.slice_size(seq.num_tokens)",
+             ("tests/test_l8_parity.py", "-k", "fully_cached or identical")),
+    Mutation("l8-no-rotation", "L8 chunked prefill", "decodes always in arrival order: with a small budget the youngest starve",
+             L8S, 'decodes.sort(key=lambda s: (s.extra.get("fed_at", -1), s.seq_id))',
+             "decodes.sort(key=lambda s: s.seq_id)",
+             ("tests/test_l8_scheduler.py", "-k", "take_turns or random")),
+    Mutation("l8-prefills-first", "L8 chunked prefill", "prompt slices scheduled before the decodes",
+             L8S, "[(s, True) for s in decodes] + [(s, False) for s in prefills]",
+             "[(s, False) for s in prefills] + [(s, True) for s in decodes]", L8_RANDOM),
+    Mutation("l8-graph-any-one-token-step", "L8 chunked prefill",
+             "a step of one-token prompt slices replays a graph (projecting every row, meant for decodes only)",
+             "lessons/l8_chunked_prefill/runner.py", "if not all(s.decode and s.samples for s in requests):",
+             "if False:", ("tests/test_l8_parity.py", "-k", "graphs_on_and_off")),
+    Mutation("l8-admission-uncharged", "L8 chunked prefill", "a slice does not charge the budget",
+             L8S, "self.budget -= piece.num_tokens - piece.num_cached", "pass", L8_RANDOM),
 ]

@@ -1,0 +1,434 @@
+"""Chunked prefill under load: long prompts arriving among decoding short requests, on L7 (every prompt
+prefilled whole, in one step) and on L8 at several token budgets, all in one invocation.
+
+    OMP_NUM_THREADS=1 python scripts/benchmark/l8_bench.py [--quick] [--budgets 32,64,...] [--repeats N]
+        [--seed 0] [--json PATH] [--png PATH | --no-png] [--model DIR] [--device cpu] [--dtype float32]
+
+The default run takes about 2.5 minutes on one CPU thread, --quick about 20 s.
+
+The workload (seeded by --seed, the same for every engine):
+  * --shorts short requests: prompts of 16-64 random token ids, 32-64 new tokens each (ignore EOS);
+  * --longs long prompts of --long-len (default 1,500-3,000) random token ids, 16 new tokens each.
+Token ids are drawn at random from 1000..min(100000, vocab), so no two prompts share a block and the prefix
+cache does not hit (the report would say if it did).
+
+Arrivals are not fixed engine steps: L7 and L8 take different numbers of steps for the same work, so a step
+number would be a different moment in each. An arrival waits instead for the short requests' progress (the
+output tokens they have produced in total, a count both engines pass through): short i is submitted once the
+shorts have produced 3 * i tokens (a ramp over the first steps), and long prompt j once they have produced a
+fraction f_j of all their tokens, f evenly spaced over 0.15 .. 0.6, so every long prompt lands while most
+short requests are mid-decode. A request is submitted right before the first step that sees it.
+
+Every engine gets the same pool (big enough for every request at once: no preemption, so the comparison is
+about scheduling alone), block size 16, graphs on (on CPU L7's static-buffer path runs eagerly), and a fresh
+engine per timed run, warmed up first on a small run of its own. --repeats rounds each run every engine once,
+odd rounds in reverse order; percentiles pool the samples of all rounds. One loop drives both engines and
+measures both the same way: a request's arrival is stamped when it is submitted, and every request that
+gained a token in a step is stamped with time.perf_counter() when the step returns (after a CUDA synchronize
+on a GPU). L8's own engine.timing is checked against these stamps, step for step.
+
+Reported per engine, each also as a ratio to L7's: time to first token (TTFT) p50/p99 of the short requests
+and of the long ones (with 2-4 long prompts their p99 is about the slowest), the short requests' inter-token
+gap p50/p99 and longest gap (in seconds and in steps), and throughput (output tokens / wall seconds of the
+run). Every engine's greedy tokens must equal L7's, request for request: a mismatch prints FAIL, exit 1.
+
+Target (a benchmark, not a test): at one budget, L8's p99 inter-token gap of the short requests at most 1/3
+of L7's, with throughput within 10% of L7's. The report says whether it was met, and at which budgets.
+The PNG plots the sweep, p99 gap of the short requests against throughput, one point per budget and L7 for
+reference; by default into the course cache (shared.tiny_qwen3.cache_root()/bench/l8_budget_sweep.png).
+
+On a CPU, attention over a prompt with a dense causal mask costs more per score the bigger the score matrix
+(it leaves the caches), so prefilling a 3,000-token prompt whole is slower than in slices: there a small
+budget gains throughput as well as gaps, and a large one loses both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark's own modules
+import bench_conditions  # noqa: E402
+from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l7_cuda_graphs import L7Engine  # noqa: E402
+from lessons.l8_chunked_prefill import L8Engine  # noqa: E402
+from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.generation import StopRule, check_prompt  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.tiny_qwen3 import cache_root, default_model_dir  # noqa: E402
+
+FULL = {"budgets": "32,64,128,256,512,1024,2048", "shorts": 12, "longs": 3, "long_len": (1500, 3000), "repeats": 2}
+QUICK = {"budgets": "64,512", "shorts": 6, "longs": 2, "long_len": (1500, 2000), "repeats": 1}
+SHORT_PROMPT, SHORT_NEW, LONG_NEW = (16, 64), (32, 64), 16
+SHORT_EVERY = 3  # short i arrives once the shorts have produced 3 * i tokens
+LONG_AT = (0.15, 0.6)  # long prompts arrive at fractions of the shorts' total output, evenly spaced over this
+TOKEN_LO, TOKEN_HI = 1000, 100000
+GAP_TARGET, THROUGHPUT_TARGET = 1 / 3, 0.9
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "short" | "long"
+    prompt_ids: list[int]
+    new_tokens: int
+    milestone: int  # submitted once the short requests have produced this many tokens in total
+
+
+@dataclass
+class Trace:
+    """One request as the benchmark saw it: when it was submitted, and the step and time of each token."""
+    job: Job
+    seq: object
+    arrival_step: int
+    arrival_s: float
+    token_steps: list[int] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)
+
+
+def make_jobs(rng: random.Random, shorts: int, longs: int, long_len: tuple[int, int], vocab: int) -> list[Job]:
+    hi = min(TOKEN_HI, vocab)
+    ids = lambda n: [rng.randrange(TOKEN_LO, hi) for _ in range(n)]  # noqa: E731
+    jobs = [Job("short", ids(rng.randint(*SHORT_PROMPT)), rng.randint(*SHORT_NEW), SHORT_EVERY * i) for i in range(shorts)]
+    total = sum(j.new_tokens for j in jobs)
+    fractions = np.linspace(*LONG_AT, longs) if longs > 1 else [LONG_AT[0]]
+    jobs += [Job("long", ids(rng.randint(*long_len)), LONG_NEW, round(f * total)) for f in fractions[:longs]]
+    return jobs
+
+
+def drive(engine: L7Engine, jobs: list[Job], sync) -> tuple[list[Trace], float, int]:
+    """Submit each job at its milestone, step until all finish, stamp every token. (traces, seconds, steps)"""
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].milestone, i))
+    traces: list[Trace | None] = [None] * len(jobs)
+    k, progress, clock0 = 0, 0, engine.clock
+    t0 = time.perf_counter()
+    while k < len(order) or engine.scheduler.has_work():
+        while k < len(order) and (jobs[order[k]].milestone <= progress or not engine.scheduler.has_work()):
+            job = jobs[order[k]]
+            seq = engine.add_request(job.prompt_ids, StopRule(job.new_tokens, frozenset(), ignore_eos=True))
+            traces[order[k]] = Trace(job, seq, engine.clock, time.perf_counter())
+            k += 1
+        engine.step()
+        sync()
+        now = time.perf_counter()
+        for t in traces:
+            if t is not None and len(t.seq.output_ids) > len(t.token_s):
+                for _ in range(len(t.seq.output_ids) - len(t.token_s)):
+                    t.token_steps.append(engine.clock)
+                    t.token_s.append(now)
+                    progress += t.job.kind == "short"
+    return traces, time.perf_counter() - t0, engine.clock - clock0  # type: ignore[return-value]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def metrics(rounds: list[tuple[list[Trace], float, int]]) -> dict:
+    """Percentiles over every round's samples pooled; throughput = all tokens / all wall seconds; wall and steps:
+    the mean per run."""
+    ttft = {"short": [], "long": []}
+    gaps, gap_steps, tokens, wall, steps = [], [], 0, 0.0, 0
+    for traces, seconds, n_steps in rounds:
+        wall, steps = wall + seconds, steps + n_steps
+        for t in traces:
+            tokens += len(t.token_s)
+            ttft[t.job.kind].append(t.token_s[0] - t.arrival_s)
+            if t.job.kind == "short":
+                gaps += [b - a for a, b in zip(t.token_s, t.token_s[1:])]
+                gap_steps += [b - a for a, b in zip(t.token_steps, t.token_steps[1:])]
+    n = len(rounds)  # tokens, wall seconds and steps: per run (the mean over rounds)
+    return {"tokens": tokens // n, "wall_s": wall / n, "steps": steps / n, "tokens_per_s": tokens / wall,
+            "short_ttft_p50_s": pct(ttft["short"], 50), "short_ttft_p99_s": pct(ttft["short"], 99),
+            "long_ttft_p50_s": pct(ttft["long"], 50), "long_ttft_p99_s": pct(ttft["long"], 99),
+            "short_gap_p50_s": pct(gaps, 50), "short_gap_p99_s": pct(gaps, 99),
+            "short_gap_max_s": max(gaps, default=None), "short_gap_max_steps": max(gap_steps, default=None)}
+
+
+RATIO_KEYS = ("tokens_per_s", "short_ttft_p50_s", "short_ttft_p99_s", "long_ttft_p50_s", "long_ttft_p99_s",
+              "short_gap_p50_s", "short_gap_p99_s", "short_gap_max_s", "wall_s")
+
+
+@dataclass
+class Run:
+    traces: list[Trace]
+    seconds: float
+    steps: int
+    notes: list[str]
+
+
+def run_once(make, jobs: list[Job], warm: list[Job], sync) -> Run:
+    """A fresh engine, warmed up on a small run of its own (first-call costs land there, untimed), then timed."""
+    engine = make()
+    drive(engine, warm, sync)
+    before = (engine.stats.preemptions, engine.stats.cached_tokens, len(getattr(engine, "step_tokens", [])))
+    traces, seconds, steps = drive(engine, jobs, sync)
+    notes = []
+    if engine.stats.preemptions > before[0] or engine.stats.cached_tokens > before[1]:
+        notes.append(f"{engine.stats.preemptions - before[0]} preemption(s), "
+                     f"{engine.stats.cached_tokens - before[1]} prompt tokens from the prefix cache")
+    if isinstance(engine, L8Engine):
+        for t in traces:  # L8 stamps its own timing: it must agree with ours, step for step
+            own = engine.timing[t.seq.seq_id]
+            if own.token_steps != t.token_steps or own.arrival_step != t.arrival_step:
+                notes.append(f"engine.timing of request {t.seq.seq_id} disagrees with the benchmark's stamps")
+        over = max(engine.step_tokens[before[2]:], default=0)
+        if over > engine.max_batched_tokens:
+            notes.append(f"a step computed {over} tokens, over the budget {engine.max_batched_tokens}")
+    return Run(traces, seconds, steps, notes)
+
+
+def summarize(name: str, budget: int | None, runs: list[Run], jobs: list[Job]) -> dict:
+    outputs = [[list(t.seq.output_ids) for t in r.traces] for r in runs]
+    complete = all(len(out) == j.new_tokens for run in outputs for out, j in zip(run, jobs))
+    return {"engine": name, "budget": budget, **metrics([(r.traces, r.seconds, r.steps) for r in runs]),
+            "notes": sorted({n for r in runs for n in r.notes}), "outputs": outputs[0],
+            "_parity": (complete, outputs),
+            "rounds": [{"wall_s": r.seconds, "steps": r.steps, "requests": [
+                {"kind": t.job.kind, "arrival_step": t.arrival_step, "token_steps": t.token_steps,
+                 "token_s": [x - t.arrival_s for x in t.token_s]} for t in r.traces]} for r in runs]}
+
+
+def fmt_s(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v * 1e3:.0f} ms" if v < 10 else f"{v:.1f} s"
+
+
+def show(console: Console, rows: list[dict], title: str) -> None:
+    t = Table(title=title)
+    cols = [("engine", None), ("steps/run", None), ("wall/run", "wall_s"), ("throughput", "tokens_per_s"),
+            ("short TTFT p50", "short_ttft_p50_s"), ("short TTFT p99", "short_ttft_p99_s"),
+            ("long TTFT p50", "long_ttft_p50_s"), ("long TTFT p99", "long_ttft_p99_s"),
+            ("short gap p50", "short_gap_p50_s"), ("short gap p99", "short_gap_p99_s"),
+            ("max gap", "short_gap_max_s"), ("parity", None)]
+    for name, _ in cols:
+        t.add_column(name, justify="left" if name == "engine" else "right")
+    for r in rows:
+        cells = [r["engine"], f"{r['steps']:.0f}"]
+        for _, key in cols[2:-1]:
+            value, ratio = r[key], r["x_l7"][key]
+            shown = {"tokens_per_s": f"{value:.1f} tok/s", "wall_s": f"{value:.1f} s"}.get(key) or fmt_s(value)
+            if key == "short_gap_max_s":
+                shown += f" / {r['short_gap_max_steps']} st"
+            cells.append(f"{shown}\n[bold]{ratio:.2f}x[/]" if ratio is not None else shown)
+        cells.append("[green]same[/]" if r["parity"] else "[red]FAIL[/]")
+        t.add_row(*cells)
+    console.print(t)
+    console.print("  each cell: the value, and below it the ratio to L7's (throughput: higher is better; "
+                  "times: lower is better); max gap: the longest wait between two tokens of a short request, "
+                  "in seconds / in engine steps")
+
+
+def target(rows: list[dict]) -> dict:
+    """Budgets meeting the target; the best of them (lowest p99 gap), or if none, the closest: the lowest gap
+    among those keeping throughput, else the highest throughput."""
+    sweep = [r for r in rows[1:] if r["parity"]]  # a wrong engine meets nothing
+    gap = lambda r: r["x_l7"]["short_gap_p99_s"]  # noqa: E731
+    tput = lambda r: r["x_l7"]["tokens_per_s"]  # noqa: E731
+    kept = [r for r in sweep if tput(r) >= THROUGHPUT_TARGET]
+    met = [r for r in kept if gap(r) <= GAP_TARGET]
+    best = min(met or kept, key=gap) if kept else max(sweep, key=tput, default=None)
+    return {"met": bool(met), "budgets": [r["budget"] for r in met],
+            "best": None if best is None else {"budget": best["budget"], "gap_p99_x_l7": gap(best),
+                                               "throughput_x_l7": tput(best)}}
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    l7, sweep = report["engines"][0], report["engines"][1:]
+    xs = [r["x_l7"]["tokens_per_s"] for r in sweep]
+    ys = [r["short_gap_p99_s"] * 1e3 for r in sweep]
+    l7_y = l7["short_gap_p99_s"] * 1e3
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    ax.set_yscale("log")
+    lo_x, hi_x = min(xs + [1.0, THROUGHPUT_TARGET]) - 0.08, max(xs + [1.0]) + 0.08
+    lo_y, hi_y = min(ys + [l7_y]) / 2, max(ys + [l7_y]) * 2
+    ax.fill_between([THROUGHPUT_TARGET, hi_x], lo_y, l7_y * GAP_TARGET, color="tab:green", alpha=0.12,
+                    label="target: p99 gap ≤ 1/3 of L7's, throughput ≥ 0.9× L7's")
+    ax.axhline(l7_y * GAP_TARGET, color="tab:green", lw=0.8, ls="--")
+    ax.axvline(THROUGHPUT_TARGET, color="tab:green", lw=0.8, ls=":")
+    ax.plot(xs, ys, "-o", color="tab:blue", label="L8, each point labelled with its token budget")
+    for x, y, r in zip(xs, ys, sweep):
+        ax.annotate(f"{r['budget']}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
+    ax.plot([1.0], [l7_y], "*", color="tab:red", ms=14, label="L7 (each prompt prefilled whole)")
+    ax.annotate("L7", (1.0, l7_y), textcoords="offset points", xytext=(8, -4), fontsize=9, color="tab:red")
+    ax.set_xlim(lo_x, hi_x)
+    ax.set_ylim(lo_y, hi_y)
+    ax.set_xlabel("throughput ÷ L7's (output tokens per second, same invocation)")
+    ax.set_ylabel("p99 inter-token gap of the short requests (ms, log scale)")
+    w = report["workload"]
+    ax.set_title(f"L8 token-budget sweep ({Path(report['model']).name}, {report['device']}, "
+                 f"{report['conditions']['threads']} thread(s))\n{w['shorts']} short requests decoding, "
+                 f"{w['longs']} long prompts of {'/'.join(str(n) for n in w['long_prompt_tokens'])} tokens arriving",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(True, which="both", alpha=0.25)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="l8_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budgets", help=f"comma-separated L8 token budgets (default: {FULL['budgets']}; quick: {QUICK['budgets']})")
+    p.add_argument("--shorts", type=int, help=f"short requests (default: {FULL['shorts']}; quick: {QUICK['shorts']})")
+    p.add_argument("--longs", type=int, help=f"long prompts (default: {FULL['longs']}; quick: {QUICK['longs']})")
+    p.add_argument("--long-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help=f"long prompt tokens (default: {FULL['long_len']}; quick: {QUICK['long_len']})")
+    p.add_argument("--quick", action="store_true", help="a smaller run (about 30 s on one CPU thread)")
+    p.add_argument("--repeats", type=int, help=f"timed runs per engine, samples pooled (default: {FULL['repeats']}; "
+                   f"quick: {QUICK['repeats']})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; OMP_NUM_THREADS=1 or 1 "
+                   "gives the most stable numbers)")
+    p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--png", metavar="PATH", help="the sweep picture (default: <course cache>/bench/l8_budget_sweep.png)")
+    p.add_argument("--no-png", action="store_true", help="draw no picture")
+    return p
+
+
+def settings(args) -> None:
+    """Fill what --quick or the full run decides, then check everything before the first engine runs."""
+    base = QUICK if args.quick else FULL
+    for key in ("budgets", "shorts", "longs", "long_len", "repeats"):
+        if getattr(args, key) is None:
+            setattr(args, key, base[key])
+    try:
+        args.budgets = [int(b) for b in str(args.budgets).split(",")]
+    except ValueError:
+        raise CourseError(f"--budgets {args.budgets!r}: use comma-separated integers")
+    if any(b < 1 for b in args.budgets):
+        raise CourseError(f"--budgets: every budget must be at least 1, got {args.budgets}")
+    for name in ("shorts", "repeats", "block_size"):
+        if getattr(args, name) < 1:
+            raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.longs < 0:
+        raise CourseError(f"--longs must be at least 0, got {args.longs}")
+    if not 1 <= args.long_len[0] <= args.long_len[1]:
+        raise CourseError(f"--long-len needs 1 <= MIN <= MAX, got {args.long_len[0]} {args.long_len[1]}")
+    if args.threads is not None and args.threads < 1:
+        raise CourseError(f"--threads must be at least 1, got {args.threads}")
+    if not args.no_png:
+        try:
+            import matplotlib  # noqa: F401  (fail before the run, not after it)
+        except ImportError:
+            raise CourseError("the sweep picture needs matplotlib: pip install matplotlib, or pass --no-png")
+
+
+def main() -> None:
+    args = parser().parse_args()
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    try:
+        settings(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        model_dir = resolve_model_dir(args.model, default_model_dir)
+        model = Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
+        vocab = model.config.vocab_size
+        if vocab <= TOKEN_LO:
+            raise CourseError(f"the model's vocabulary ({vocab}) is too small for token ids from {TOKEN_LO}")
+        rng = random.Random(args.seed)
+        jobs = make_jobs(rng, args.shorts, args.longs, tuple(args.long_len), vocab)
+        warm = [Job("short", [rng.randrange(TOKEN_LO, min(TOKEN_HI, vocab)) for _ in range(n)], new, 0)
+                for n, new in ((24, 4), (40, 4), (min(400, args.long_len[0]), 2))]
+        for job in jobs:  # a request past the model's context fails here, before any engine runs
+            check_prompt(job.prompt_ids, StopRule(job.new_tokens), model.config)
+        num_blocks = sum(blocks_for(len(j.prompt_ids) + j.new_tokens, args.block_size) for j in jobs + warm) + len(jobs)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        common = (model, args.block_size, num_blocks, 64, args.backend)
+        conditions = bench_conditions.start()
+        longs = [len(j.prompt_ids) for j in jobs if j.kind == "long"]
+        console.print(f"[bold]L8 chunked-prefill benchmark[/]: {model_dir.name}, {device}, {str(dtype).removeprefix('torch.')}, "
+                      f"torch threads {torch.get_num_threads()}, seed {args.seed}, {args.repeats} timed run(s) per engine")
+        console.print(f"  workload: {args.shorts} short requests (prompts {SHORT_PROMPT[0]}-{SHORT_PROMPT[1]} tokens, "
+                      f"{SHORT_NEW[0]}-{SHORT_NEW[1]} new), short i submitted once the shorts produced {SHORT_EVERY}*i "
+                      f"tokens; {args.longs} long prompts of {', '.join(map(str, longs))} tokens ({LONG_NEW} new each) "
+                      f"submitted at {', '.join(str(j.milestone) for j in jobs if j.kind == 'long')} of the shorts' "
+                      f"{sum(j.new_tokens for j in jobs if j.kind == 'short')} tokens; pool {num_blocks} blocks of "
+                      f"{args.block_size} (every request fits at once)")
+        t0 = time.perf_counter()
+        engines = [("L7 (whole prompts)", None, lambda: L7Engine(*common, graphs=True))]
+        engines += [(f"L8 budget {b}", b, lambda b=b: L8Engine(*common, graphs=True, max_batched_tokens=b))
+                    for b in args.budgets]
+        runs: dict[str, list[Run]] = {name: [] for name, _, _ in engines}
+        with torch.inference_mode():
+            for k in range(args.repeats):  # odd rounds in reverse order: a drift in the machine's speed hits all alike
+                for name, _, make in engines if k % 2 == 0 else engines[::-1]:
+                    run = run_once(make, jobs, warm, sync)
+                    runs[name].append(run)
+                    console.print(f"  round {k + 1}/{args.repeats}, {name}: {run.steps} steps, {run.seconds:.1f} s")
+        rows = [summarize(name, budget, runs[name], jobs) for name, budget, _ in engines]
+        wall = time.perf_counter() - t0
+    except CourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    bench_conditions.finish(conditions, console)
+    base = rows[0]
+    for r in rows:
+        r["x_l7"] = {k: (r[k] / base[k] if r[k] is not None and base[k] else None) for k in RATIO_KEYS}
+        complete, outputs = r.pop("_parity")
+        r["parity"] = complete and outputs == [base["outputs"]] * args.repeats
+    show(console, rows, f"Long prompts among decoding short requests: L7 vs L8 token budgets "
+                        f"({len(jobs)} requests, {base['tokens']} output tokens per run)")
+    goal = target(rows)
+    if goal["met"]:
+        console.print(f"target [green]met[/] at budget(s) {', '.join(map(str, goal['budgets']))}: short requests' p99 "
+                      f"gap ≤ 1/3 of L7's with throughput ≥ {THROUGHPUT_TARGET:.0%} of L7's")
+    elif goal["best"]:
+        b = goal["best"]
+        console.print(f"target [red]not met[/] (p99 gap ≤ 1/3 of L7's with throughput ≥ {THROUGHPUT_TARGET:.0%}); "
+                      f"closest: budget {b['budget']}, p99 gap {b['gap_p99_x_l7']:.2f}x, throughput {b['throughput_x_l7']:.2f}x")
+    for r in rows:
+        for note in r["notes"]:
+            console.print(f"  [yellow]{r['engine']}: {note}[/]")
+    report = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "model": str(model_dir), "device": str(device),
+              "dtype": str(dtype).removeprefix("torch."), "conditions": conditions, "seed": args.seed,
+              "repeats": args.repeats, "wall_seconds": wall, "num_blocks": num_blocks, "block_size": args.block_size,
+              "workload": {"shorts": args.shorts, "longs": args.longs, "long_prompt_tokens": longs,
+                           "jobs": [{"kind": j.kind, "prompt_tokens": len(j.prompt_ids), "new_tokens": j.new_tokens,
+                                     "submitted_at_short_tokens": j.milestone} for j in jobs]},
+              "engines": rows, "target": goal}
+    if not args.no_png:
+        png = Path(args.png) if args.png else cache_root() / "bench" / "l8_budget_sweep.png"
+        report["png"] = str(plot(report, png))
+        console.print(f"plot written to {png}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        console.print(f"results written to {args.json}")
+    console.print(f"wall time {wall:.0f} s")
+    failed = [r["engine"] for r in rows if not r["parity"]]
+    if failed:
+        console.print(f"[red]FAIL[/]: greedy tokens differ from L7's on {', '.join(failed)}")
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
