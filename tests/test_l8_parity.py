@@ -151,26 +151,58 @@ def test_preempting_a_request_mid_prompt_keeps_parity(tiny_model, hf, prompt_ids
     assert_no_leak(engine)
 
 
+def test_an_older_prompt_slice_evicts_a_decode_already_in_the_step(tiny_model, hf, prompt_ids):
+    """max_slice_tokens lets a short request start decoding while an older long prompt is still being
+    sliced. The decode is scheduled first; then the older prompt's slice needs a block, the pool is dry and
+    the decode (the youngest) is evicted: its row must leave the step it was already planned into."""
+    prompts = [prompt_ids[3][:24], prompt_ids[0], prompt_ids[1]]
+    stops = [stop_for(tiny_model), stop_for(tiny_model, 12), stop_for(tiny_model, 12)]
+    engine = engine_for(tiny_model, 4, 8, 8, max_slice_tokens=4)
+    seqs, evicted_decodes, step = [], [], 0
+    while step < len(prompts) or engine.scheduler.has_work():
+        if step < len(prompts):
+            seqs.append(engine.add_request(prompts[step], stops[step]))
+        before = {s.seq_id: (s.num_tokens - s.num_cached, bool(s.output_ids)) for s in engine.scheduler.running}
+        prompting = [s.seq_id for s in engine.scheduler.running if s.num_cached < len(s.prompt_ids)]
+        engine.step()
+        step += 1
+        for s in seqs:
+            if s.seq_id in before and s.status is Status.WAITING and before[s.seq_id] == (1, True):
+                if any(older < s.seq_id for older in prompting):
+                    evicted_decodes.append(s.seq_id)
+    assert [s.output_ids for s in seqs] == [hf.generate(p, st).tokens for p, st in zip(prompts, stops)]
+    assert evicted_decodes, "no decode was evicted by an older request still in its prompt"
+    assert max(engine.step_tokens) <= 8
+    assert_no_leak(engine)
+
+
 # --- 4. one prompt computed once when two arrive together ---------------------------------------------------
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["wait", "no-wait"])
 @pytest.mark.parametrize("block_size,budget,length", [(4, 16, 101), (4, 5, 30), (16, 24, 101), (16, 40, 96)],
                          ids=["B4-budget16-L101", "B4-budget5-L30", "B16-budget24-L101", "B16-budget40-L96"])
-def test_two_identical_prompts_in_one_step_compute_it_once(tiny_model, hf, prompt_ids, block_size, budget, length):
-    """The second waits while the first's slices fill the blocks it would hit, then hits all but the
-    last token's block: it computes at most one block's worth, never the prompt again."""
+def test_two_identical_prompts_in_one_step_compute_it_once(tiny_model, hf, prompt_ids, block_size, budget, length,
+                                                           wait):
+    """wait_for_inflight (the default): the second waits while the first's slices fill the blocks it would
+    hit, then hits all but the last token's block, so it computes at most one block's worth. Without it, the
+    second is admitted with the budget the first's last slice leaves, hits the blocks written so far and
+    computes at most those being written in that step plus one block."""
     stop = stop_for(tiny_model)
     prompt = prompt_ids[3][:length]
     assert budget < length
     alone = engine_for(tiny_model, block_size, budget)
     assert alone.generate_batch([prompt], stop) == [hf.generate(prompt, stop).tokens]
-    engine = engine_for(tiny_model, block_size, budget)
+    engine = engine_for(tiny_model, block_size, budget, wait_for_inflight=wait)
     got = engine.generate_batch([prompt, prompt], stop, stagger=0)
     assert got == [hf.generate(prompt, stop).tokens] * 2
-    hit = block_size * ((length - 1) // block_size)  # a full match still leaves one token to compute
     second = engine.stats.prefill_tokens - length
-    assert engine.stats.cached_tokens == hit and second == length - hit
-    assert 1 <= second <= block_size
+    if wait:
+        hit = block_size * ((length - 1) // block_size)  # a full match still leaves one token to compute
+        assert engine.stats.cached_tokens == hit and second == length - hit
+        assert 1 <= second <= block_size
+    else:
+        assert engine.stats.cached_tokens > 0 and 1 <= second <= block_size + budget
     # Counted from the steps themselves: the pair costs one run plus the second's tail and its decodes.
     assert sum(engine.step_tokens) - sum(alone.step_tokens) == second + NEW - 1
     assert max(engine.step_tokens) <= budget
