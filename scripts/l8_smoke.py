@@ -51,6 +51,7 @@ class StepWatch:
 
     def __init__(self, engine):
         self.engine, self.steps = engine, []  # (tokens computed, seconds)
+        self.fed: int | None = None  # tokens the current step's forward computed (None: no forward yet)
         self.token_steps: dict[int, list[int]] = {}  # seq_id -> index into steps of each token
         forward = engine.runner.forward
 
