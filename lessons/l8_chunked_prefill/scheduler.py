@@ -38,9 +38,7 @@ class ChunkedScheduler(PrefixScheduler):
     def __init__(self, manager: RefBlockManager, block_size: int, max_running: int, stats: PrefixStats,
                  wait_for_inflight: bool = True, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                  max_slice_tokens: int | None = None):
-        check_budget(max_batched_tokens, "max-batched-tokens")
-        check_budget(max_slice_tokens, "max-slice-tokens", allow_none=True)
-        super().__init__(manager, block_size, max_running, stats, wait_for_inflight)
+        super().__init__(manager, block_size, max_running, stats, wait_for_inflight)  # budgets: L8Engine checks them
         self.max_batched_tokens, self.max_slice_tokens = max_batched_tokens, max_slice_tokens
         self.budget = 0  # tokens left in the step being scheduled
         self.plan: list[Slice] = []  # the step being scheduled
