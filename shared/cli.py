@@ -79,7 +79,8 @@ def resolve_model_dir(arg: str | None, build_default: Callable[[], Path]) -> Pat
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
-    patterns = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*"]
+    patterns = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "chat_template*"]  # newer checkpoints keep the chat template in its own file
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # network, auth or a wrong id: all the user's to fix

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from shared.tokenizer import build_qwen3_tokenizer
 
-BUILD_VERSION = 2  # bump whenever the bytes below change; it names the cache folder
+BUILD_VERSION = 3  # bump whenever the bytes below change; it names the cache folder
 SEED = 20260101
 QK_GAIN = 2.0
 NORM_SPREAD = 0.4  # each norm gain is its centre times a uniform factor in [1 - spread, 1 + spread]
@@ -61,6 +61,14 @@ TOKENIZER_CONFIG = {
     "pad_token": "<|endoftext|>",
     "add_bos_token": False,
     "model_max_length": TINY_CONFIG["max_position_embeddings"],
+    # ChatML, the turn format Qwen's chat models use (without Qwen3's tool and thinking extras): with it both
+    # L9's server and HF's `transformers serve` answer chat completions offline on the embedded model.
+    "chat_template": (
+        "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
