@@ -38,9 +38,9 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert names[:2] == ["L1", "L2"]
     for lesson in ("L3", "L4", "L5", "L6"):
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
-    for lesson in ("L7", "L8"):
+    for lesson in ("L7", "L8", "L9"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 3 * 2 == len(set(names))
+    assert len(smokes) == 2 + 2 * 4 + 3 * 3 == len(set(names))
     assert [c.command() for c in checks if c.kind != "smoke"] == [
         "python scripts/benchmark/l7_bench.py --device cuda",
         "python scripts/benchmark/l8_bench.py --device cuda --quick --no-png",

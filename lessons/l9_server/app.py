@@ -1,0 +1,208 @@
+"""The HTTP side: FastAPI routes that check a request, hand it to the engine thread, and relay its events.
+
+A request's life: body read (size-limited) -> fields checked (protocol.py) -> chat template rendered and
+prompt tokenized (in a worker thread: long prompts take milliseconds) -> context checked -> submitted to the
+engine thread -> the first event says accepted or refused (only then is a status code chosen) -> Deltas
+relayed as SSE chunks, or gathered into one response -> Finished. If the client goes away first (stream
+cancelled, or a disconnect noticed while a whole response is gathered), the request is aborted at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from tokenizers import Tokenizer
+
+from lessons.l4_continuous.engine import check_token_ids
+from lessons.l6_prefix_sharing.engine import check_n
+from lessons.l9_server.chat import ChatTemplate
+from lessons.l9_server.engine_loop import RETRY_AFTER_S, Accepted, Delta, EngineLoop, Failed, Finished, Subscriber
+from lessons.l9_server.protocol import ApiError, GenerationRequest, parse_chat, parse_completion
+from lessons.l9_server.responses import ResponseShape, sse
+from shared.errors import CourseError
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: about 200,000 tokens of text, far past any context served here
+
+
+@dataclass
+class ServedModel:
+    name: str  # what clients put in "model"
+    tokenizer: Tokenizer
+    chat: ChatTemplate | None  # None: chat completions are refused
+    context: int  # max_position_embeddings: prompt + max_tokens must fit
+    vocab_size: int
+
+
+def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 256,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        yield
+        await run_in_threadpool(loop.stop)  # uvicorn has let open streams finish (or cancelled them) by now
+
+    app = FastAPI(title="paged-attention-course L9", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        if e.status in (429, 503):
+            loop.metrics.rejected.labels(str(e.status)).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.failure or not loop.accepting:
+            return JSONResponse({"status": loop.failure or "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        entry = {"id": model.name, "object": "model", "created": 0, "owned_by": "paged-attention-course",
+                 "max_model_len": model.context}
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_json(request, max_body_bytes)
+        req = parse_completion(body, default_max_tokens)
+        return await generate(request, body, req, req.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_json(request, max_body_bytes)
+        messages, kwargs, req = parse_chat(body, default_max_tokens)
+        if model.chat is None:
+            raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+        prompt = await run_in_threadpool(model.chat.render, messages, kwargs)
+        return await generate(request, body, req, prompt, chat=True)
+
+    async def generate(request: Request, body: dict, req: GenerationRequest, prompt: str | list[int],
+                       chat: bool) -> Response:
+        if body["model"] != model.name:
+            raise ApiError(404, f"model {body['model']!r} does not exist; this server serves {model.name!r}",
+                           "model", code="model_not_found")
+        ids = prompt if isinstance(prompt, list) else (await run_in_threadpool(model.tokenizer.encode, prompt)).ids
+        check_request(ids, req, model)
+        subscriber = Subscriber(asyncio.get_running_loop())
+        request_id = loop.submit(ids, req, subscriber)
+        first = await subscriber.events.get()  # Accepted or Failed, within one engine step
+        if isinstance(first, Failed):
+            raise first.error
+        shape = ResponseShape(chat, model.name, req.return_token_ids)
+        if req.stream:
+            return StreamingResponse(stream(shape, req, subscriber, request_id), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await whole(request, shape, req, ids, subscriber, request_id)
+
+    async def stream(shape: ResponseShape, req: GenerationRequest, subscriber: Subscriber,
+                     request_id: int) -> AsyncIterator[str]:
+        """SSE chunks. Starlette cancels this generator when the client disconnects: `finally` aborts."""
+        done = False
+        started: set[int] = set()
+        try:
+            if shape.chat:  # the role first, as OpenAI does, so a client can render the turn at once
+                for i in range(req.n):
+                    yield sse(shape.chunk(i, None, [], None, req.include_usage, first=True))
+                started = set(range(req.n))
+            while not done:
+                event = await subscriber.events.get()
+                if isinstance(event, Delta):
+                    if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):
+                        yield sse(shape.chunk(event.index, event.text, event.token_ids, event.finish_reason,
+                                              req.include_usage, first=event.index not in started))
+                        started.add(event.index)
+                elif isinstance(event, Finished):
+                    if req.include_usage:
+                        yield sse(shape.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                    done = True
+                elif isinstance(event, Failed):  # the engine failed mid-stream: say so in-band, then end
+                    yield sse(event.error.body())
+                    done = True
+            yield sse("[DONE]")
+        finally:
+            if not done:
+                loop.abort(request_id)
+
+    async def whole(request: Request, shape: ResponseShape, req: GenerationRequest, ids: list[int],
+                    subscriber: Subscriber, request_id: int) -> Response:
+        texts, tokens, finishes = [""] * req.n, [[] for _ in range(req.n)], [""] * req.n
+        gone = asyncio.create_task(disconnected(request))
+        try:
+            while True:
+                get = asyncio.create_task(subscriber.events.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():  # the client left while its request waited or ran
+                    get.cancel()
+                    loop.abort(request_id)
+                    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+                event = get.result()
+                if isinstance(event, Delta):
+                    texts[event.index] += event.text
+                    tokens[event.index] += event.token_ids
+                    finishes[event.index] = event.finish_reason or ""
+                elif isinstance(event, Finished):
+                    return JSONResponse(shape.whole(texts, tokens, finishes, ids, event.completion_tokens))
+                elif isinstance(event, Failed):
+                    raise event.error
+        finally:
+            gone.cancel()
+
+    return app
+
+
+def check_request(ids: list[int], req: GenerationRequest, model: ServedModel) -> None:
+    """What the engine would refuse with a CLI-worded message, refused here with the field it concerns."""
+    if not ids:
+        raise ApiError(400, "the prompt encodes to no tokens", "prompt")
+    if len(ids) + req.max_tokens > model.context:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) = {len(ids) + req.max_tokens} "
+                            f"exceeds the model's context of {model.context}", "max_tokens")
+    try:
+        check_token_ids(ids, req.sampling.stop_token_ids, model.vocab_size)
+    except CourseError as e:
+        raise ApiError(400, str(e), "stop_token_ids" if str(e).startswith("stop") else "prompt") from None
+    try:
+        check_n(req.n, req.sampling)
+    except CourseError as e:
+        raise ApiError(400, str(e), "n") from None
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit}")
+    body = bytearray()
+    async for piece in request.stream():  # a chunked body has no length header: count as it arrives
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return obj
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

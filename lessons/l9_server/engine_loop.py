@@ -1,0 +1,236 @@
+"""The engine thread: the only code that touches the engine, stepping it while HTTP handlers come and go.
+
+The engine is synchronous and one step takes milliseconds to seconds, so it cannot run inside the event
+loop: every client would freeze for every step. It runs in a thread of its own instead, and talks to the event loop through two queues:
+
+  inbox (thread-safe queue.Queue)    handlers put ("submit", ...) and ("abort", id); the engine thread
+                                     drains it between steps, so the engine never changes under a step
+  each request's asyncio.Queue       the engine thread puts events with call_soon_threadsafe; the handler
+                                     awaits them (Accepted or Failed first, then Deltas, then Finished)
+
+After each step the thread turns every choice's new tokens into text (detokenizer, then stop strings), so
+a stop string ends its sequence in the same step the text shows it, with no round trip to a handler.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from lessons.l4_continuous.sequence import Status
+from lessons.l6_prefix_sharing.sequence import SharedSequence
+from lessons.l9_server.detokenizer import IncrementalDetokenizer, TokenBytes
+from lessons.l9_server.engine import L9Engine
+from lessons.l9_server.metrics import ServerMetrics
+from lessons.l9_server.protocol import ApiError, GenerationRequest
+from lessons.l9_server.stop_strings import StopStringMatcher
+from shared.errors import CourseError
+from shared.generation import StopRule
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
+@dataclass
+class Accepted:
+    prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    """New output of one choice: text safe to show, the tokens it came from, and the finish reason once."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Finished:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    error: ApiError
+
+
+Event = Accepted | Delta | Finished | Failed
+
+
+class Subscriber:
+    """The handler's end: an asyncio.Queue, filled from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.events = loop, asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server is exiting): nobody is listening
+            pass
+
+
+@dataclass
+class Choice:
+    """One output of a request (n > 1: one per sibling) as the engine thread tracks it."""
+
+    seq: SharedSequence
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    sent: int = 0  # output tokens already turned into text
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    prompt_ids: list[int]
+    subscriber: Subscriber
+    arrival: float  # perf_counter() when the handler submitted it: TTFT counts queueing too
+    choices: list[Choice] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: L9Engine, token_bytes: TokenBytes, metrics: ServerMetrics, eos_ids: frozenset[int],
+                 max_waiting: int):
+        self.engine, self.token_bytes, self.metrics = engine, token_bytes, metrics
+        self.eos_ids, self.max_waiting = eos_ids, max_waiting
+        self.inbox: queue.Queue = queue.Queue()
+        self.jobs: dict[int, Job] = {}  # engine thread only
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.accepting = True
+        self.failure: str | None = None
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._in_inbox = 0  # submissions not yet drained by the engine thread
+        self._engine_waiting = 0  # the scheduler's waiting queue, as of the last step
+
+    # --- called from the event loop ---
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, prompt_ids: list[int], request: GenerationRequest, subscriber: Subscriber) -> int:
+        """Queue a request for the engine thread; refuse it at once if the server cannot take it."""
+        if self.failure is not None:
+            raise ApiError(503, f"the engine has failed: {self.failure}", kind="server_error")
+        if not self.accepting:
+            raise ApiError(503, "the server is shutting down", kind="server_error")
+        with self._lock:
+            if self._in_inbox + self._engine_waiting >= self.max_waiting:
+                raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry in {RETRY_AFTER_S} s",
+                               kind="rate_limit_error")
+            self._in_inbox += 1
+        request_id = next(self._ids)
+        self.inbox.put(("submit", request_id, Job(request, prompt_ids, subscriber, time.perf_counter())))
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        self.inbox.put(("abort", request_id, None))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.accepting = False
+        self.inbox.put(("stop", -1, None))
+        self.thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._in_inbox + self._engine_waiting
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self.engine.scheduler.has_work()):
+                if self.engine.scheduler.has_work():
+                    self.engine.step()
+                    self._emit(time.perf_counter())
+                self._engine_waiting = len(self.engine.scheduler.waiting)
+                self.metrics.update(self.engine)
+        except Exception as e:  # a bug, or the device failing: every request in flight learns of it
+            traceback.print_exc()
+            self.failure = f"{type(e).__name__}: {e}"
+        message = self.failure or "the server is shutting down"
+        for job in self.jobs.values():
+            job.subscriber.put(Failed(ApiError(503, message, kind="server_error")))
+        self.jobs.clear()
+
+    def _drain(self, block: bool) -> bool:
+        """Handle everything in the inbox (waiting for one message first if idle). False: stop."""
+        while True:
+            try:
+                kind, request_id, job = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                self._admit(request_id, job)
+            elif request_id in self.jobs:  # an abort whose request is still running
+                self._end(request_id, "abort")
+
+    def _admit(self, request_id: int, job: Job) -> None:
+        req = job.request
+        try:
+            stop = StopRule(req.max_tokens, self.eos_ids, req.ignore_eos)
+            seqs = self.engine.add_parallel(job.prompt_ids, stop, req.sampling, req.n)
+        except CourseError as e:  # the app checked the fields; what is left is the pool: a request it can never hold
+            job.subscriber.put(Failed(ApiError(400, str(e), "max_tokens")))
+            return
+        finally:
+            with self._lock:
+                self._in_inbox -= 1
+        job.choices = [Choice(seq, IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.stop_strings))
+                       for seq in seqs]
+        self.jobs[request_id] = job
+        job.subscriber.put(Accepted(len(job.prompt_ids)))
+
+    def _emit(self, now: float) -> None:
+        """Every choice that gained tokens in this step: text out, stop strings checked, finishes sent."""
+        for request_id, job in list(self.jobs.items()):
+            for index, choice in enumerate(job.choices):
+                seq = choice.seq
+                new = seq.output_ids[choice.sent:]
+                if choice.finish_reason is not None or not new:
+                    continue
+                choice.sent += len(new)
+                latency = self.metrics.ttft if choice.last_token_at is None else self.metrics.itl
+                latency.observe(now - (choice.last_token_at or job.arrival))
+                choice.last_token_at = now
+                text = choice.stops.push(choice.detokenizer.push(new))
+                if not choice.stops.stopped and seq.status is Status.FINISHED:
+                    text += choice.stops.push(choice.detokenizer.flush())  # a split character is never finished
+                    text += choice.stops.flush()
+                if choice.stops.stopped:
+                    self.engine.abort([seq])  # a stop string: the sequence ends here, its blocks go back
+                    choice.finish_reason = "stop"
+                elif seq.status is Status.FINISHED:
+                    choice.finish_reason = self._finish_reason(seq, job.request)
+                job.subscriber.put(Delta(index, text, new, choice.finish_reason))
+                if choice.finish_reason is not None:
+                    self.metrics.requests.labels(choice.finish_reason).inc()
+            if all(c.finish_reason is not None for c in job.choices):
+                job.subscriber.put(Finished(len(job.prompt_ids), sum(c.sent for c in job.choices)))
+                self._end(request_id, None)
+
+    def _finish_reason(self, seq: SharedSequence, req: GenerationRequest) -> str:
+        last = seq.output_ids[-1]
+        eos = not req.ignore_eos and last in self.eos_ids
+        return "stop" if eos or last in req.sampling.stop_token_ids else "length"
+
+    def _end(self, request_id: int, reason: str | None) -> None:
+        """Forget a request; `reason` "abort": its client left, so its sequences stop wherever they are."""
+        job = self.jobs.pop(request_id)
+        if reason == "abort":
+            self.engine.abort([c.seq for c in job.choices])
+            self.metrics.requests.labels("abort").inc()
+        for choice in job.choices:
+            self.engine.forget(choice.seq.seq_id)

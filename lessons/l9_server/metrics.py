@@ -1,0 +1,57 @@
+"""What GET /metrics shows, in Prometheus' text format: the engine's queues and pool, and its latencies.
+
+The engine thread writes every value (after each step, and as it emits tokens); the HTTP handler only
+renders them. prometheus_client's metrics are thread-safe, so no lock of ours is needed. Each server owns
+its registry, so two servers in one process (tests) never mix their numbers.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lessons.l9_server.engine import L9Engine
+
+# Seconds. CPU steps of the tiny model take milliseconds; a real model on a GPU tens of them; a long queue seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFIX = "paged_"
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, registry=r)
+
+        self.running = gauge("requests_running", "Sequences admitted to the engine (holding blocks).")
+        self.waiting = gauge("requests_waiting", "Sequences queued for admission, preempted ones included.")
+        self.blocks_free = gauge("blocks_free", "KV blocks never used or evicted.")
+        self.blocks_cached = gauge("blocks_cached", "KV blocks nobody holds whose prefix is cached (evictable).")
+        self.blocks_held = gauge("blocks_held", "KV blocks referenced by requests (and the CUDA-graph dummy block).")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache.")
+        self.preemptions = Counter(PREFIX + "preemptions", "Requests evicted to make room (recomputed later).",
+                                   registry=r)
+        self.requests = Counter(PREFIX + "requests_finished", "Requests ended, by finish reason.", ["reason"],
+                                registry=r)
+        self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before reaching the engine.",
+                                ["status"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "From arrival to the first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_seconds", "Between two tokens of one output.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self._preemptions_seen = 0
+
+    def update(self, engine: L9Engine) -> None:
+        """Called by the engine thread after each step."""
+        sched, alloc, stats = engine.scheduler, engine.allocator, engine.stats
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.blocks_free.set(alloc.num_free - alloc.num_cached_unheld)
+        self.blocks_cached.set(alloc.num_cached_unheld)
+        self.blocks_held.set(alloc.num_blocks - alloc.num_free)
+        self.hit_rate.set(stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0)
+        self.preemptions.inc(stats.preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.preemptions
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

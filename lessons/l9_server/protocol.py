@@ -1,0 +1,197 @@
+"""The OpenAI request bodies, checked field by field into what the engine takes.
+
+Every bad value becomes an ApiError naming its field, which the app turns into OpenAI's error object. A
+field this server does not implement is refused by name when it asks for something (logprobs: true,
+tools, a penalty), never silently ignored; given with its do-nothing value (logprobs: false, a penalty of
+0) it is accepted. A field no version of the API defines is refused too: it is most likely a typo.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lessons.l4_continuous.sampling import SEED_LIMIT, SamplingParams
+from shared.errors import CourseError
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+
+# Fields accepted by both endpoints; extensions beyond OpenAI's API are vLLM's names for the same things.
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+          "top_k", "stop_token_ids", "ignore_eos", "return_token_ids"}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+# Defined by the API, not implemented here: refused unless given the value that asks for nothing.
+NEUTRAL = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
+           "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
+           "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+           "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none")}
+ROLES = {"system", "developer", "user", "assistant"}
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP status, OpenAI's error type, and the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One checked request, endpoint-independent. `prompt` is text (chat: already templated) or token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    n: int
+    stop_strings: tuple[str, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def parse_completion(body: dict, default_max_tokens: int) -> GenerationRequest:
+    check_fields(body, COMPLETION_FIELDS)
+    return parse_common(body, completion_prompt(body.get("prompt")), default_max_tokens)
+
+
+def parse_chat(body: dict, default_max_tokens: int) -> tuple[list[dict], dict, GenerationRequest]:
+    """(messages, chat_template_kwargs, request whose prompt is still empty: the app renders the template)."""
+    check_fields(body, CHAT_FIELDS)
+    messages = chat_messages(body.get("messages"))
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    if "max_completion_tokens" in body and "max_tokens" in body:
+        raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return messages, kwargs, parse_common(body, "", default_max_tokens, key)
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name in NEUTRAL:
+            if any(value == v and type(value) is type(v) for v in NEUTRAL[name]) or value is None:
+                continue
+            raise ApiError(400, f"{name} is not supported by this server", name)
+        raise ApiError(400, f"unknown field {name!r}", name)
+
+
+def parse_common(body: dict, prompt: str | list[int], default_max_tokens: int,
+                 max_key: str = "max_tokens") -> GenerationRequest:
+    if not isinstance(body.get("model"), str):
+        raise ApiError(400, "model is required and must be a string", "model")
+    max_tokens = integer(body, max_key, default_max_tokens, low=1)
+    temperature = number(body, "temperature", 1.0, low=0.0, high=2.0)
+    top_p = number(body, "top_p", 1.0, low=0.0, high=1.0)
+    if top_p == 0:
+        raise ApiError(400, "top_p must be in (0, 1], got 0", "top_p")
+    top_k = integer(body, "top_k", 0, low=-1)
+    seed = integer(body, "seed", None, low=0, high=SEED_LIMIT - 1)
+    n = integer(body, "n", 1, low=1, high=64)
+    stream = boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise ApiError(400, "stream_options may only hold include_usage", "stream_options")
+    include_usage = boolean(options or {}, "include_usage", name="stream_options.include_usage")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ApiError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
+    try:
+        sampling = SamplingParams(temperature, max(top_k, 0), top_p, seed, frozenset(stop_ids))
+    except CourseError as e:  # unreachable after the checks above, kept so a new rule there names itself
+        raise ApiError(400, str(e)) from None
+    return GenerationRequest(prompt, max_tokens, sampling, n, stop_strings(body.get("stop")),
+                             boolean(body, "ignore_eos"), stream, include_usage, boolean(body, "return_token_ids"))
+
+
+def completion_prompt(prompt: object) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "batches of prompts are not supported: send one request per prompt", "prompt")
+    raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def chat_messages(messages: object) -> list[dict]:
+    """Messages as the template expects them: role and content, content as one string."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"{where} needs a role, one of {', '.join(sorted(ROLES))}", f"{where}.role")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise ApiError(400, f"{where}.{sorted(extra)[0]} is not supported by this server", f"{where}.{sorted(extra)[0]}")
+        out.append({"role": m["role"], "content": message_text(m.get("content"), f"{where}.content")})
+    return out
+
+
+def message_text(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{where}[{j}]: only text parts are supported, got {kind!r}", f"{where}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    return tuple(stops)
+
+
+def integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ApiError(400, f"{name} must be an integer {bound}, got {value!r}", name)
+    return value
+
+
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ApiError(400, f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
+    return float(value)
+
+
+def boolean(body: dict, key: str, name: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name or key} must be true or false, got {value!r}", name or key)
+    return value

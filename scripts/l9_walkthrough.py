@@ -1,0 +1,64 @@
+"""L9's worked examples, printed from the code that runs in the server (docs/l9_server.md shows this output).
+
+    python scripts/l9_walkthrough.py [--text TEXT] [--stop STOP]
+
+1. Incremental detokenization: TEXT is encoded, then its tokens are fed back one at a time, as a server
+   receives them from the engine. Per token: its id, its bytes, the text released, the bytes held back.
+2. Stop strings across tokens: the same pieces go through the stop-string matcher with STOP; per piece,
+   what is released and what is held, until the stop string is found.
+No model runs: the tokens come from the tokenizer, so the example is exact and instant.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lessons.l9_server.detokenizer import IncrementalDetokenizer, TokenBytes  # noqa: E402
+from lessons.l9_server.stop_strings import StopStringMatcher  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
+
+TEXT = "Lift-off 🚀 at 東京. END"
+STOP = "at 東"
+
+
+def main() -> None:
+    p = OneLineParser(prog="l9_walkthrough.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--text", default=TEXT, help=f"the text to detokenize back (default: {TEXT!r})")
+    p.add_argument("--stop", default=STOP, help=f"the stop string (default: {STOP!r})")
+    args = p.parse_args()
+    if not args.text or not args.stop:
+        p.error("--text and --stop must not be empty")
+    tokenizer = load_tokenizer(default_model_dir())
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer.encode(args.text).ids
+
+    print(f"1. detokenizing {args.text!r}: {len(ids)} tokens, fed one at a time")
+    print(f"{'token':>7}  {'bytes':<24} {'released':<12} held back")
+    detokenizer, pieces = IncrementalDetokenizer(token_bytes), []
+    for token in ids:
+        piece = detokenizer.push([token])
+        pieces.append(piece)
+        print(f"{token:>7}  {str(token_bytes(token)):<24} {piece!r:<12} {detokenizer.held}")
+    print(f"joined: {''.join(pieces)!r} (equal to the whole decode: {''.join(pieces) == tokenizer.decode(ids)})")
+
+    print(f"\n2. the same pieces through the stop string {args.stop!r}")
+    print(f"{'piece':<12} {'released':<12} held")
+    matcher, released = StopStringMatcher((args.stop,)), []
+    for piece in pieces:
+        out = matcher.push(piece)
+        released.append(out)
+        print(f"{piece!r:<12} {out!r:<12} {matcher.held!r}{'  <- stop string found' if matcher.stopped else ''}")
+        if matcher.stopped:
+            break
+    else:
+        released.append(matcher.flush())
+        print(f"end of output: the held text {released[-1]!r} is released (no stop string)")
+    print(f"the client sees: {''.join(released)!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""L9: serve a Qwen3 model over OpenAI's HTTP API, on L8's engine (chunked prefill, prefix sharing,
+preemption, CUDA graphs), with FastAPI and uvicorn.
+
+    python scripts/serve.py                      # the embedded tiny model on http://127.0.0.1:8000/v1
+    python scripts/serve.py --model DIR --port 0 # a checkpoint directory, on a free port
+
+    curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
+(Prometheus). Once it answers it prints `serving MODEL at URL`. SIGINT or SIGTERM: new requests are
+refused, open streams get --shutdown-timeout seconds to finish (then are aborted), and it exits 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING  # noqa: E402
+from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS  # noqa: E402
+from lessons.l9_server.app import MAX_BODY_BYTES, ServedModel, create_app  # noqa: E402
+from lessons.l9_server.chat import ChatTemplate  # noqa: E402
+from lessons.l9_server.detokenizer import TokenBytes  # noqa: E402
+from lessons.l9_server.engine import L9Engine  # noqa: E402
+from lessons.l9_server.engine_loop import EngineLoop  # noqa: E402
+from lessons.l9_server.metrics import ServerMetrics  # noqa: E402
+from shared.checkpoint import tensor_shapes  # noqa: E402
+from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
+from shared.config import Qwen3Config  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="serve.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF-format Qwen3 checkpoint directory, or a hub id (default: the embedded tiny model)")
+    p.add_argument("--served-model-name", help="the name clients send as \"model\" (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: 8000)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: 4096 tokens' worth)")
+    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+                   help=f"token budget of one engine step (default: {DEFAULT_MAX_BATCHED_TOKENS})")
+    p.add_argument("--max-slice-tokens", type=int, help="most prompt tokens one request computes per step")
+    p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")
+    p.add_argument("--graphs", default="on", choices=("on", "off"), help="CUDA graphs for decode steps (as in L7)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued for admission before new ones get 429 (default: 256)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a request that gives none (default: 256)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger bodies get 413 (default: 1 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds open streams get to finish after SIGTERM (default: 10)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    return p
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with two changes: it prints where it serves once it answers, and a SIGTERM ends it
+    with exit status 0 (uvicorn re-raises the signal after its graceful shutdown, which would kill us)."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, banner: str):
+        super().__init__(config)
+        self.engine_loop, self.banner = loop, banner
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.banner, flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine_loop.accepting = False  # new requests get 503 while open streams finish
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def positive(value: int, name: str) -> None:
+    if value < 1:
+        raise CourseError(f"{name} must be at least 1, got {value}")
+
+
+def build(args) -> tuple[Server, socket.socket]:
+    for value, name in ((args.max_waiting, "--max-waiting"), (args.default_max_tokens, "--default-max-tokens"),
+                        (args.max_body_bytes, "--max-body-bytes")):
+        positive(value, name)
+    if args.threads is not None:
+        positive(args.threads, "--threads")
+        torch.set_num_threads(args.threads)
+    if not 0 <= args.port < 65536:
+        raise CourseError(f"--port must be in [0, 65535], got {args.port}")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model_dir = resolve_model_dir(args.model, default_model_dir)
+    config = Qwen3Config.from_dir(model_dir)
+    tensor_shapes(model_dir)  # missing or corrupt weights fail here, before loading
+    tokenizer = load_tokenizer(model_dir)
+    token_bytes = TokenBytes(tokenizer)
+    try:  # bind before loading the model: a busy port is reported in a second, not after the weights load
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise CourseError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    model = Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
+    engine = L9Engine(model, args.block_size, args.num_blocks, args.max_running, args.backend,
+                      graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
+                      max_slice_tokens=args.max_slice_tokens, seed=args.seed)
+    engine.stats.record_timeline = False
+    chat = ChatTemplate(model_dir)
+    name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
+    served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,
+                         config.vocab_size)
+    loop = EngineLoop(engine, token_bytes, ServerMetrics(), frozenset(config.eos_token_ids), args.max_waiting)
+    app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    return Server(config, loop, f"serving {name} at http://{url_host}:{port}/v1"), sock
+
+
+def main() -> None:
+    args = parser().parse_args()
+    try:
+        server, sock = build(args)
+    except CourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
