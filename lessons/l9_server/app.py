@@ -144,13 +144,12 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
                     subscriber: Subscriber, request_id: int) -> Response:
         texts, tokens, finishes = [""] * req.n, [[] for _ in range(req.n)], [""] * req.n
         gone = asyncio.create_task(disconnected(request))
+        get: asyncio.Task | None = None
         try:
             while True:
                 get = asyncio.create_task(subscriber.events.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():  # the client left while its request waited or ran
-                    get.cancel()
-                    loop.abort(request_id)
+                if not get.done():  # the client left while its request waited or ran: `finally` aborts it
                     return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
                 event = get.result()
                 if isinstance(event, Delta):
@@ -161,8 +160,11 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
                     return JSONResponse(shape.whole(texts, tokens, finishes, ids, event.completion_tokens))
                 elif isinstance(event, Failed):
                     raise event.error
-        finally:
+        finally:  # also when this task is cancelled (a shutdown past its grace period)
             gone.cancel()
+            if get is not None and not get.done():
+                get.cancel()
+                loop.abort(request_id)
 
     return app
 

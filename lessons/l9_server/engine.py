@@ -19,9 +19,9 @@ class L9Engine(L8Engine):
 
     def abort(self, seqs: list[SharedSequence]) -> None:
         """End these sequences now, wherever they are: waiting, part-way through their prompt, decoding, or
-        not yet forked. A parent is aborted only with its siblings, or after
-        it forked them. Called between steps, never inside one, so no plan holds them. Their block references
-        go back to the pool; blocks already registered in the prefix cache stay cached, unreferenced."""
+        not yet forked (a parent is aborted only with its siblings, or after it forked them). Called between
+        steps, never inside one, so no plan holds them. Their block references go back to the pool; blocks
+        already registered in the prefix cache stay cached, unreferenced."""
         for seq in seqs:
             if seq.status is Status.FINISHED:
                 continue
