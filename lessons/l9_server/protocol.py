@@ -7,7 +7,6 @@ tools, a penalty), never silently ignored; given with its do-nothing value (logp
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from lessons.l4_continuous.sampling import SEED_LIMIT, SamplingParams
@@ -64,7 +63,8 @@ def parse_chat(body: dict, default_max_tokens: int) -> tuple[list[dict], dict, G
     """(messages, chat_template_kwargs, request whose prompt is still empty: the app renders the template)."""
     check_fields(body, CHAT_FIELDS)
     messages = chat_messages(body.get("messages"))
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
     if "max_completion_tokens" in body and "max_tokens" in body:
@@ -78,7 +78,8 @@ def check_fields(body: dict, allowed: set[str]) -> None:
         if name in allowed:
             continue
         if name in NEUTRAL:
-            if any(value == v and type(value) is type(v) for v in NEUTRAL[name]) or value is None:
+            # 0.0 is a penalty of 0, but true is not a best_of of 1: bools only match bools
+            if value is None or any(value == v and (type(value) is bool) == (type(v) is bool) for v in NEUTRAL[name]):
                 continue
             raise ApiError(400, f"{name} is not supported by this server", name)
         raise ApiError(400, f"unknown field {name!r}", name)
@@ -104,7 +105,8 @@ def parse_common(body: dict, prompt: str | list[int], default_max_tokens: int,
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise ApiError(400, "stream_options may only hold include_usage", "stream_options")
     include_usage = boolean(options or {}, "include_usage", name="stream_options.include_usage")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ApiError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
     try:
@@ -182,8 +184,8 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
+    # The chained comparison refuses NaN and infinities too; math.isfinite would overflow on a huge JSON integer.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ApiError(400, f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
     return float(value)
 

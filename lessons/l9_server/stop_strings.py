@@ -1,6 +1,6 @@
 """Stop strings over a stream of text pieces: a stop string may begin in one token and end in a later one.
 
-The text a client sees must end just before the first stop string and must never contain any part of it.
+The text a client sees must end just before the first stop string to complete and must never contain any part of it.
 So each new piece is appended to a small tail of text held back: everything that can no longer be the
 start of a stop string is released, and a tail that might still grow into one (a suffix that is a prefix
 of some stop string) waits for the next piece. At most the longest stop string minus one character is
@@ -21,10 +21,13 @@ class StopStringMatcher:
         if self.stopped:
             return ""
         text = self.held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:  # the earliest occurrence of any stop string ends the output
+        # The stop string that completes first ends the output, as it would token by token (on a tie, the
+        # longer one): then where the tokens happened to split the text cannot change the answer.
+        ends = [(i + len(s), -len(s)) for s in self.stops if (i := text.find(s)) >= 0]
+        if ends:
+            end, minus_length = min(ends)
             self.stopped, self.held = True, ""
-            return text[:cut]
+            return text[:end + minus_length]
         keep = self._partial_suffix(text)
         self.held = text[len(text) - keep:] if keep else ""
         return text[: len(text) - keep]
