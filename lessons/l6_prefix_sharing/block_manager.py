@@ -28,11 +28,6 @@ class RefBlockManager:
     def num_free(self) -> int:
         return len(self._free) + len(self._lru)
 
-    @property
-    def num_cached_unheld(self) -> int:
-        """Of num_free: the cached blocks nobody holds (a hit revives them; alloc evicts them last)."""
-        return len(self._lru)
-
     def alloc(self, n: int) -> list[int]:
         """n private blocks (ref 1). Free ones first; then evict the least recently released cached ones."""
         if n > self.num_free:
@@ -81,3 +76,8 @@ class RefBlockManager:
         self.free([block])
         self.stats.cow_copies += 1
         return new
+
+    @property
+    def num_cached_unheld(self) -> int:
+        """Of num_free: the cached blocks nobody holds (a hit revives them; alloc evicts them last)."""
+        return len(self._lru)
