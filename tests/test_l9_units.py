@@ -326,7 +326,8 @@ BAD_COMPLETIONS = [
     ({"stream": True, "stream_options": ["include_usage"]}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"ignore_eos": "no"}, "ignore_eos"), ({"return_token_ids": 1}, "return_token_ids"),
-    ({"logprobs": 5}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": 5}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 0}, "logprobs"),  # in the legacy API, 0 still asks for the chosen tokens' log-probabilities ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"best_of": 2}, "best_of"), ({"best_of": True}, "best_of"), ({"echo": True}, "echo"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -383,7 +384,7 @@ def test_falsy_non_lists_are_refused_too():
 
 
 ACCEPTED = [
-    {"logprobs": False}, {"logprobs": None}, {"logprobs": 0}, {"presence_penalty": 0}, {"frequency_penalty": 0},
+    {"logprobs": False}, {"logprobs": None}, {"presence_penalty": 0}, {"frequency_penalty": 0},
     {"presence_penalty": None}, {"top_logprobs": 0}, {"best_of": 1}, {"echo": False}, {"tools": []},
     {"logit_bias": {}}, {"user": "u"}, {"stop": []}, {"stop": None}, {"stream_options": None},
     {"stream": True, "stream_options": {}}, {"top_k": -1}, {"seed": 2**64 - 1}, {"seed": 0}, {"n": 64},

@@ -147,6 +147,7 @@ class EngineLoop:
     # --- the engine thread ---
 
     def _run(self) -> None:
+        self.metrics.update(self.engine)  # a fresh server's pool, before the first request arrives
         try:
             while self._drain(block=not self.engine.scheduler.has_work()):
                 if self.engine.scheduler.has_work():

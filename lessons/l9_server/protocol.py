@@ -20,7 +20,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 # Defined by the API, not implemented here: refused unless given the value that asks for nothing.
-NEUTRAL = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
+NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
            "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
            "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
            "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none")}
