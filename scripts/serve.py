@@ -42,6 +42,12 @@ from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
 
+# Under load a server's queue is the bigger delay: with L8's budget of 64, 32 clients' prompts trickle in
+# and their time to first token grows with the queue (docs/l9_server.md, measured). 512 admits a burst in
+# a few steps and still keeps a CPU step short.
+SERVER_MAX_BATCHED_TOKENS = 512
+
+
 def parser() -> OneLineParser:
     p = OneLineParser(prog="serve.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF-format Qwen3 checkpoint directory, or a hub id (default: the embedded tiny model)")
@@ -53,8 +59,9 @@ def parser() -> OneLineParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: 4096 tokens' worth)")
-    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
-                   help=f"token budget of one engine step (default: {DEFAULT_MAX_BATCHED_TOKENS})")
+    p.add_argument("--max-batched-tokens", type=int, default=SERVER_MAX_BATCHED_TOKENS,
+                   help=f"token budget of one engine step (default: {SERVER_MAX_BATCHED_TOKENS}; L8's smoke uses "
+                        f"{DEFAULT_MAX_BATCHED_TOKENS})")
     p.add_argument("--max-slice-tokens", type=int, help="most prompt tokens one request computes per step")
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")

@@ -99,6 +99,8 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [N, V] fp32, one row per request -> N token ids."""
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy_rows) == len(params):  # all greedy (the common case): no copy of the [N, V] rows
+        return logits.argmax(dim=-1).tolist()
     out = [0] * len(params)
     if greedy_rows:  # argmax is row-wise, so doing the greedy rows together changes nothing
         for i, t in zip(greedy_rows, logits[greedy_rows].argmax(dim=-1).tolist()):
