@@ -3,7 +3,7 @@ from lessons.l9_server.engine import L9Engine
 
 # What scripts/lesson_diff.py compares with earlier lessons: role -> where this lesson defines it.
 ROLES = {
-    'engine loop': 'engine_loop.py::EngineLoop._run',
+    'server loop': 'engine_loop.py::EngineLoop._run',
     'abort': 'engine.py::L9Engine.abort',
     'output': 'engine_loop.py::EngineLoop._emit',
 }
