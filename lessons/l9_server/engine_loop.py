@@ -158,10 +158,15 @@ class EngineLoop:
         except Exception as e:  # a bug, or the device failing: every request in flight learns of it
             traceback.print_exc()
             self.failure = f"{type(e).__name__}: {e}"
-        message = self.failure or "the server is shutting down"
+        self.accepting = False
+        failed = Failed(ApiError(503, self.failure or "the server is shutting down", kind="server_error"))
         for job in self.jobs.values():
-            job.subscriber.put(Failed(ApiError(503, message, kind="server_error")))
+            job.subscriber.put(failed)
         self.jobs.clear()
+        while not self.inbox.empty():  # submissions that arrived after the last drain wait for an answer too
+            kind, _, job = self.inbox.get_nowait()
+            if kind == "submit":
+                job.subscriber.put(failed)
 
     def _drain(self, block: bool) -> bool:
         """Handle everything in the inbox (waiting for one message first if idle). False: stop."""
