@@ -102,7 +102,11 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
         check_request(ids, req, model)
         subscriber = Subscriber(asyncio.get_running_loop())
         request_id = loop.submit(ids, req, subscriber)
-        first = await subscriber.events.get()  # Accepted or Failed, within one engine step
+        try:
+            first = await subscriber.events.get()  # Accepted or Failed, within one engine step
+        except asyncio.CancelledError:  # cancelled in that step (a shutdown): the inbox takes the abort after it
+            loop.abort(request_id)
+            raise
         if isinstance(first, Failed):
             raise first.error
         shape = ResponseShape(chat, model.name, req.return_token_ids)
