@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.cli import OneLineParser  # noqa: E402
@@ -312,14 +314,8 @@ async def discover_model(url: str, api_key: str = "EMPTY", timeout: float = 10.0
 # ----- the numbers -----
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the two nearest ranks (numpy's default), None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """Linear interpolation between the two nearest ranks (numpy's default, as l8_bench's), None for no values."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def stats_ms(values_s: list[float]) -> dict:
