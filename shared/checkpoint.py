@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -43,14 +44,26 @@ def tensor_shapes(model_dir: Path) -> Shapes:
     return shapes
 
 
-def load_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor in the checkpoint, cast to `dtype` on `device`, keyed by its HF name."""
+# name -> (dim, start, stop): read only that range of the tensor (a tensor-parallel rank's part); None: all of it
+SliceOf = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def load_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device,
+                    slice_of: SliceOf = lambda name: None) -> dict[str, torch.Tensor]:
+    """Every tensor in the checkpoint (or the part `slice_of` names), cast to `dtype` on `device`, by HF name."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    part = slice_of(name)
+                    if part is None:
+                        tensor = f.get_tensor(name)
+                    else:  # safetensors reads just these rows (or columns) from the file
+                        dim, start, stop = part
+                        rows = f.get_slice(name)
+                        tensor = rows[start:stop] if dim == 0 else rows[:, start:stop]
+                    state[name] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as e:
             raise CourseError(f"{path} is not a readable safetensors file: {_first_line(e)}") from None
     return state

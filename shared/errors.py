@@ -11,3 +11,7 @@ class PoolExhausted(CourseError):
     def __init__(self, needed: int, free: int, total: int):
         super().__init__(f"KV pool exhausted: need {needed} block(s), {free} of {total} free")
         self.needed, self.free, self.total = needed, free, total
+
+
+class RunFailure(Exception):
+    """The run broke, not its input (a tensor-parallel rank exited or hung): one line, exit status 1."""

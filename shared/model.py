@@ -97,7 +97,7 @@ class Qwen3ForCausalLM(nn.Module):
         cfg = Qwen3Config.from_dir(model_dir)
         with torch.device("meta"):
             model = cls(cfg)
-        _check_shapes(model, cfg, model_dir)  # headers only: no tensor data is read for a bad checkpoint
+        check_shapes(model, cfg, model_dir)  # headers only: no tensor data is read for a bad checkpoint
         state = load_state_dict(model_dir, dtype, device)
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -108,7 +108,7 @@ class Qwen3ForCausalLM(nn.Module):
         return model.eval()
 
 
-def _check_shapes(model: nn.Module, cfg: Qwen3Config, model_dir: Path) -> None:
+def check_shapes(model: nn.Module, cfg: Qwen3Config, model_dir: Path) -> None:
     """Name the first missing or mis-shaped tensor; load_state_dict would raise a multi-line error."""
     shapes = tensor_shapes(model_dir)
     if cfg.tie_word_embeddings or "lm_head.weight" not in shapes:

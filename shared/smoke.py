@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from shared.checkpoint import tensor_shapes
 from shared.cli import resolve_device, resolve_dtype, resolve_model_dir
 from shared.config import Qwen3Config
-from shared.errors import CourseError
+from shared.errors import CourseError, RunFailure
 from shared.generation import StopRule, check_prompt
 from shared.hf_reference import NEAR, HfOutput, HfReference
 from shared.model import Qwen3ForCausalLM
@@ -106,13 +106,16 @@ def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines
 
 def main(lesson: str, parser: argparse.ArgumentParser, build_engines: BuildEngines,
          extra_check: ExtraCheck | None = None) -> None:
-    """Parse, run, and turn every CourseError into one line on stderr with exit status 2."""
+    """Parse, run, and turn every CourseError into one line on stderr with exit status 2 (a RunFailure: 1)."""
     args = parser.parse_args()
     try:
         code = run_smoke(lesson, args, build_engines, extra_check)
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except RunFailure as e:  # the run broke (a tensor-parallel rank died), not its input
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
     raise SystemExit(code)
 
 

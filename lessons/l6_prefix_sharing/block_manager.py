@@ -71,11 +71,14 @@ class RefBlockManager:
     def copy_on_write(self, block: int) -> int:
         """A private copy of a shared block (every layer, K and V); the caller's reference moves to it."""
         new = self.alloc(1)[0]
-        for rows in self.pool.k + self.pool.v:
-            rows[new].copy_(rows[block])
+        self.copy_block(block, new)
         self.free([block])
         self.stats.cow_copies += 1
         return new
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for rows in self.pool.k + self.pool.v:
+            rows[dst].copy_(rows[src])
 
     @property
     def num_cached_unheld(self) -> int:

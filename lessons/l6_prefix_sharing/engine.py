@@ -13,6 +13,8 @@ from shared.generation import StopRule
 
 
 class L6Engine(L5Engine):
+    block_manager_class: type[RefBlockManager] = RefBlockManager  # L10 swaps in one that defers its copies
+
     def __init__(self, *args, policy: str = "recompute", hash_fn: HashFn = default_hash, wait_for_inflight: bool = True,
                  **kwargs):
         if policy == "swap":
@@ -28,8 +30,8 @@ class L6Engine(L5Engine):
         # ref-counted manager takes its place (same alloc / free / num_free / num_blocks).
         self.stats = PrefixStats()
         self.cache = PrefixCache(self.hash_fn)
-        self.allocator = self.runner.allocator = RefBlockManager(self.runner.allocator.num_blocks, self.cache,
-                                                                 self.stats, self.runner.pool)
+        self.allocator = self.runner.allocator = self.block_manager_class(self.runner.allocator.num_blocks, self.cache,
+                                                                            self.stats, self.runner.pool)
         return PrefixScheduler(self.allocator, self.block_size, max_running, self.stats, self.wait_for_inflight)
 
     def add_request(self, prompt_ids: list[int], stop: StopRule, sampling: SamplingParams = SamplingParams(),

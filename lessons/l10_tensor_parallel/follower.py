@@ -1,0 +1,23 @@
+"""What every rank but 0 runs: wait for rank 0's next message, make the same call, until told to stop."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lessons.l10_tensor_parallel.group import TpGroup
+from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM
+from lessons.l10_tensor_parallel.runner import TpRunner
+from shared.cli import DTYPES
+
+
+def follow(group: TpGroup) -> None:
+    model: TpQwen3ForCausalLM | None = None
+    runner: TpRunner | None = None
+    while (message := group.receive()) is not None:
+        kind, *args = message
+        if kind == "load":  # rank 0 is loading its part of this checkpoint
+            model_dir, dtype = args
+            model = TpQwen3ForCausalLM.load(Path(model_dir), DTYPES[dtype], group)
+        elif kind == "build_runner":  # rank 0's engine is building its runner (same pool size, same backend)
+            runner = TpRunner(model, *args)
+        else:  # "capture" or "run_step": the runner's own methods, called as rank 0 called them
+            getattr(runner, kind)(*args)  # logits come back None here: rank 0 samples

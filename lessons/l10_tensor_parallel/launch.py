@@ -1,0 +1,126 @@
+"""Starting the ranks. Rank 0 is the process the user ran (the smoke, the server); it runs the scheduler.
+
+    python scripts/l10_smoke.py --tp 2                       # rank 0 spawns rank 1 (torch.multiprocessing)
+    torchrun --nproc-per-node 2 scripts/l10_smoke.py --tp 2  # torchrun starts both; rank 1 only follows
+
+Either way the ranks meet at one TCPStore: rank 0 writes the device type there, and every rank joins the
+same two process groups (group.py). Under torchrun the followers run the same script: `follow_if_torchrun`
+at its top sends them into the follower loop before they parse a single option.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S, IDLE_TIMEOUT, TpGroup
+from shared.errors import CourseError, RunFailure
+
+HOST = "127.0.0.1"  # spawned ranks share one machine; torchrun brings its own MASTER_ADDR
+
+
+def start(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> TpGroup:
+    """Rank 0's group of `tp` ranks: joined under torchrun, else with tp - 1 follower processes spawned here."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise CourseError(f"--tp must be at least 1, got {tp!r}")
+    if not timeout_s > 0:
+        raise CourseError(f"--tp-timeout must be above 0 seconds, got {timeout_s!r}")
+    if device.type == "cuda" and torch.cuda.device_count() < tp:
+        raise CourseError(f"--tp {tp} needs {tp} GPUs (one per rank); torch sees {torch.cuda.device_count()}")
+    if torchrun_rank() is not None:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise CourseError(f"--tp {tp}, but torchrun started {world} processes: give --nproc-per-node {tp}")
+        return _join(0, tp, _torchrun_store(0, tp, timeout_s), timeout_s, device.type)
+    if tp == 1:
+        return TpGroup(0, 1, device, timeout_s)  # nothing to talk to: every collective is a no-op
+    store = dist.TCPStore(HOST, 0, tp, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    spawn = mp.get_context("spawn")  # a fresh interpreter per rank: fork would copy torch's threads and CUDA state
+    followers = [spawn.Process(target=_spawned_follower, daemon=True, name=f"tp-rank-{rank}",
+                               args=(rank, tp, store.port, timeout_s, torch.get_num_threads()))
+                 for rank in range(1, tp)]
+    for p in followers:
+        p.start()
+    try:
+        group = _join(0, tp, store, timeout_s, device.type)
+    except RunFailure:
+        _stop(followers)
+        raise
+    group.on_close.append(lambda: _stop(followers))
+    atexit.register(group.close)  # however rank 0 ends, its followers do not outlive it
+    return group
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it, else None."""
+    return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ else None
+
+
+def follow_if_torchrun() -> None:
+    """At the top of a script torchrun may start: ranks above 0 follow rank 0, then exit (never returning)."""
+    rank = torchrun_rank()
+    if rank is None or rank == 0:
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    _follow(rank, lambda: _torchrun_store(rank, world, DEFAULT_TIMEOUT_S), world, DEFAULT_TIMEOUT_S)
+
+
+def _spawned_follower(rank: int, size: int, port: int, timeout_s: float, threads: int) -> None:
+    torch.set_num_threads(threads)  # the same as rank 0's: the ranks' steps should take the same time
+    store = lambda: dist.TCPStore(HOST, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))  # noqa: E731
+    _follow(rank, store, size, timeout_s)
+
+
+def _follow(rank: int, make_store, size: int, timeout_s: float) -> None:
+    from lessons.l10_tensor_parallel.follower import follow  # the follower loop needs the model; import it here
+
+    try:
+        group = _join(rank, size, make_store(), timeout_s, None)
+        follow(group)
+        group.close()
+    except (CourseError, RunFailure) as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    except KeyboardInterrupt:
+        raise SystemExit(1)
+    raise SystemExit(0)
+
+
+def _torchrun_store(rank: int, size: int, timeout_s: float) -> dist.TCPStore:
+    # torchrun's agent may host the store itself (then every rank is a client), as torch's env:// init does.
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                         is_master=rank == 0 and not agent_hosts, timeout=timedelta(seconds=timeout_s))
+
+
+def _join(rank: int, size: int, store: dist.Store, timeout_s: float, device_type: str | None) -> TpGroup:
+    """Every rank: meet at the store, join both groups. Rank 0 says which device; the others read it."""
+    try:
+        if rank == 0:
+            store.set("tp/device", device_type)
+        device_type = store.get("tp/device").decode()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
+        raise RunFailure(f"tensor-parallel rank {rank} of {size} could not join the group within "
+                         f"{timeout_s:g} s: {str(e).strip().splitlines()[0]}") from None
+    return TpGroup(rank, size, device, timeout_s, compute=dist.group.WORLD, control=control)
+
+
+def _stop(followers: list) -> None:
+    """Give the followers a moment to exit on their own (they were told to stop), then end them."""
+    for p in followers:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
