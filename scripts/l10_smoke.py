@@ -101,9 +101,11 @@ def tp_report(model, setup, args):
             f"{cfg.intermediate_size} MLP rows, {len(layout.vocab)} of {cfg.vocab_size} token ids; KV pool "
             f"{pool / 2**20:.2f} MiB per rank vs {whole / 2**20:.2f} MiB on one\n"
             f"  {steps} steps + {len(eng.runner.captures)} captures, {reduces} all-reduces on rank 0 "
-            f"({per_step} per forward: 2 per layer + the embedding), {group.seconds['all-reduce'] * 1e3:.1f} ms in them; "
-            f"{hits} prompt tokens from the prefix cache; longest prompt in {slices} slices; {eng.allocator.num_free} of "
-            f"{eng.usable_blocks} usable blocks free or cached at the end{' (LEAK)' if leak else ''}")
+            f"({per_step} per forward: 2 per layer + the embedding); {hits} prompt tokens from the prefix cache; "
+            f"longest prompt in {slices} slices; {eng.allocator.num_free} of {eng.usable_blocks} usable blocks free "
+            f"or cached at the end{' (LEAK)' if leak else ''}\n"
+            f"  rank 0 spent {group.seconds['all-reduce'] * 1e3:.1f} ms in all-reduces and "
+            f"{group.seconds['gather'] * 1e3:.1f} ms gathering logits")
     return ok, line
 
 

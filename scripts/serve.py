@@ -3,6 +3,7 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
 
     python scripts/serve.py                      # the embedded tiny model on http://127.0.0.1:8000/v1
     python scripts/serve.py --model DIR --port 0 # a checkpoint directory, on a free port
+    python scripts/serve.py --tp 2               # L10: the model split across two ranks (gloo on CPU)
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
@@ -33,10 +34,15 @@ from lessons.l9_server.detokenizer import TokenBytes  # noqa: E402
 from lessons.l9_server.engine import L9Engine  # noqa: E402
 from lessons.l9_server.engine_loop import EngineLoop  # noqa: E402
 from lessons.l9_server.metrics import ServerMetrics  # noqa: E402
+from lessons.l10_tensor_parallel import L10Engine  # noqa: E402
+from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S  # noqa: E402
+from lessons.l10_tensor_parallel.launch import follow_if_torchrun, start  # noqa: E402
+from lessons.l10_tensor_parallel.layout import check_tp  # noqa: E402
+from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
 from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
-from shared.errors import CourseError  # noqa: E402
+from shared.errors import CourseError, RunFailure  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
@@ -66,6 +72,10 @@ def parser() -> OneLineParser:
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")
     p.add_argument("--graphs", default="on", choices=("on", "off"), help="CUDA graphs for decode steps (as in L7)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="ranks the model is split across (L10; default: 1, L9's single-rank engine)")
+    p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds a rank waits in a collective before the engine fails (default: {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
@@ -130,10 +140,14 @@ def build(args) -> tuple[Server, socket.socket]:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise CourseError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    model = Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
-    engine = L9Engine(model, args.block_size, args.num_blocks, args.max_running, args.backend,
-                      graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
-                      max_slice_tokens=args.max_slice_tokens, seed=args.seed)
+    if args.tp == 1:
+        engine_class, model = L9Engine, Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
+    else:  # L10: rank 0 (this process) serves; the other ranks follow its steps
+        check_tp(config, args.tp)
+        engine_class, model = L10Engine, TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
+    engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
+                          graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
+                          max_slice_tokens=args.max_slice_tokens, seed=args.seed)
     engine.stats.record_timeline = False
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
@@ -148,13 +162,21 @@ def build(args) -> tuple[Server, socket.socket]:
 
 
 def main() -> None:
+    follow_if_torchrun()  # under torchrun, ranks above 0 follow rank 0's steps and never serve
     args = parser().parse_args()
     try:
         server, sock = build(args)
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    server.run(sockets=[sock])
+    except RunFailure as e:  # a tensor-parallel rank died while loading
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if isinstance(server.engine_loop.engine, L10Engine):
+            server.engine_loop.engine.close()  # the followers stop with the server
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -28,7 +29,7 @@ from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.metrics import ServerMetrics
 from lessons.l9_server.protocol import ApiError, GenerationRequest
 from lessons.l9_server.stop_strings import StopStringMatcher
-from shared.errors import CourseError
+from shared.errors import CourseError, RunFailure
 from shared.generation import StopRule
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -156,7 +157,10 @@ class EngineLoop:
                 self._engine_waiting = len(self.engine.scheduler.waiting)
                 self.metrics.update(self.engine)
         except Exception as e:  # a bug, or the device failing: every request in flight learns of it
-            traceback.print_exc()
+            if isinstance(e, RunFailure):  # a rank of a split model (L10) is gone: one line says which and why
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exc()
             self.failure = f"{type(e).__name__}: {e}"
         self.accepting = False
         failed = Failed(ApiError(503, self.failure or "the server is shutting down", kind="server_error"))
