@@ -117,6 +117,14 @@ def test_a_lesson_without_blocks_runs_once_per_dtype_and_prompt_set():
     assert sum(c.lesson == "L2" for c in cells) == 12
 
 
+def test_lessons_on_l8s_block_tables_run_at_the_largest_block_size_only():
+    l8, l9, l10 = (Path(f"scripts/l{n}_smoke.py") for n in (8, 9, 10))
+    cells = pm.grid({l8: True, l9: True, l10: True}, ["float32", "bfloat16"], ["default"], [1, 7, 16])
+    assert {c.block_size for c in cells if c.lesson == "L8"} == {1, 7, 16}
+    for lesson in ("L9", "L10"):
+        assert sorted((c.dtype, c.block_size) for c in cells if c.lesson == lesson) == [("bfloat16", 16), ("float32", 16)]
+
+
 def test_a_cell_passes_its_configuration_to_the_smoke():
     cell = pm.Cell("L5", Path("scripts/l5_smoke.py"), "bfloat16", "unicode", 7)
     argv = cell.argv(12, None)

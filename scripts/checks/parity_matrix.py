@@ -82,14 +82,21 @@ def has_blocks(help_text: str) -> bool:
     return "--block-size" in help_text
 
 
+# Lessons whose block tables are an earlier lesson's: L9 serves L8's engine, L10 splits its model across ranks.
+# L8's cells sweep every block size; theirs run at the largest one asked for, checking what they add (the
+# server, the split) at a third of the cost (a cell starts a server or a second rank).
+L8_BLOCK_TABLES = {"L9", "L10"}
+
+
 def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int]) -> list[Cell]:
     """smokes: script -> whether it takes --block-size."""
     cells = []
     for script, blocks in smokes.items():
         lesson = "L" + SMOKE.match(script.name).group(1)
+        sizes = [max(block_sizes)] if lesson in L8_BLOCK_TABLES else block_sizes
         for prompts in prompt_sets:
             for dtype in dtypes:
-                for size in block_sizes if blocks else [None]:
+                for size in sizes if blocks else [None]:
                     cells.append(Cell(lesson, script, dtype, prompts, size))
     return cells
 
@@ -168,6 +175,9 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
             row = {column(c, args.block_sizes): outcomes[c].status for c in mine}
             table.add_row(lesson, *(f"[{STYLE[row[n]]}]{row[n]}[/]" if n in row else "[dim]—[/]" for n in columns))
         console.print(table)
+    if any(c.lesson in L8_BLOCK_TABLES for c in cells) and len(args.block_sizes) > 1:
+        console.print(f"[dim]{', '.join(sorted(L8_BLOCK_TABLES & {c.lesson for c in cells}))} run L8's block tables "
+                      f"(swept in L8's row) and ran at the largest block size only.[/]", soft_wrap=True)
     if any(c.block_size is None for c in cells):
         console.print("[dim]—: the lesson has no blocks; it ran once per dtype and prompt set, shown under the first "
                       "block size.[/]", soft_wrap=True)
