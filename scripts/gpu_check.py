@@ -4,8 +4,8 @@
     python scripts/gpu_check.py --model ~/qwen3-0.6b   # and a real Qwen3 checkpoint
     python scripts/gpu_check.py --dry-run              # what it would run (works without a GPU)
 
-Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7 and L8: graphs on and
-off), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
+Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7 on: graphs on and
+off; L10 on two GPUs over NCCL when there are two), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
 (the token-budget sweep, where chunking should cost some throughput, unlike on a CPU), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
@@ -44,16 +44,19 @@ class Check:
 
 def smoke_options(script: Path) -> set[str]:
     help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT).stdout
-    return {opt for opt in ("--backend", "--graphs") if opt in help_text}
+    return {opt for opt in ("--backend", "--graphs", "--tp") if opt in help_text}
 
 
-def plan(model: str | None, options: dict[Path, set[str]]) -> list[Check]:
-    """Every check, in the order they run. `options`: each smoke script -> which of --backend, --graphs it takes."""
+def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> list[Check]:
+    """Every check, in the order they run. `options`: each smoke script -> which of --backend, --graphs, --tp it
+    takes. L10 runs on two GPUs over NCCL when there are two; on one GPU, at --tp 1 (no collective to make)."""
     checks = []
     for label, model_args in [("embedded", [])] + ([(model, ["--model", model])] if model else []):
         for script, opts in options.items():
             lesson = script.name.split("_")[0].upper()
             base = (str(script.relative_to(ROOT)), "--json", "--device", "cuda", "--dtype", "bfloat16", *model_args)
+            if "--tp" in opts:
+                base += ("--tp", str(max(1, min(2, gpus))))  # a dry run without a GPU shows --tp 1
             variants: list[tuple[str, list[str]]] = [("", [])]
             if "--backend" in opts:
                 variants = [(" flashinfer", ["--backend", "flashinfer"]), (" torch", ["--backend", "torch"])]
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         p.error(f"no CUDA GPU visible to torch {torch.__version__}: gpu_check.py runs every smoke on CUDA "
                 "(use --dry-run to see what it would run)")
-    checks = plan(args.model, {script: smoke_options(script) for script in discover(ROOT / "scripts")})
+    checks = plan(args.model, {script: smoke_options(script) for script in discover(ROOT / "scripts")},
+                  torch.cuda.device_count())
     if args.dry_run:
         for c in checks:
             print(f"{c.name} [{c.model}]: {c.command()}")
