@@ -95,7 +95,8 @@ def tp_report(model, setup, args):
     def span(r: range) -> str:
         return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
 
-    line = (f"L10 on {args.tp} rank(s) ({'nccl' if group.device.type == 'cuda' else 'gloo'}): rank 0 holds query heads "
+    backend = "no collectives" if args.tp == 1 else "nccl" if group.device.type == "cuda" else "gloo"
+    line = (f"L10 on {args.tp} rank(s) ({backend}): rank 0 holds query heads "
             f"{span(layout.q_heads)} of {cfg.num_attention_heads}, KV head(s) {span(layout.kv_heads)} of {cfg.num_key_value_heads}"
             f"{' (replicated)' if args.tp > cfg.num_key_value_heads else ''}, {len(layout.mlp)} of "
             f"{cfg.intermediate_size} MLP rows, {len(layout.vocab)} of {cfg.vocab_size} token ids; KV pool "
