@@ -5,8 +5,9 @@ Two process groups over the same ranks:
            NCCL on CUDA, gloo on CPU. Bounded by the timeout: inside a step every rank runs the same
            forward, so a wait that long means a rank died or hung.
   control  rank 0's instructions to the others (load this model, build this runner, run this step, stop):
-           pickled Python objects, so always gloo, on the host. Unbounded in practice: between steps a
-           follower waits for as long as the server has nothing to do.
+           pickled Python objects, so always gloo, on the host. Rank 0's sends are bounded by the same
+           timeout; a follower's wait is unbounded in practice: between steps it waits for as long as the
+           server has nothing to do.
 A rank that exits closes its sockets, so the others' next collective fails at once, not at the timeout.
 """
 from __future__ import annotations

@@ -22,6 +22,9 @@ from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S, IDLE_TIMEOUT, T
 from shared.errors import CourseError, RunFailure
 
 HOST = "127.0.0.1"  # spawned ranks share one machine; torchrun brings its own MASTER_ADDR
+# Waiting for the ranks to start (a fresh interpreter imports torch: seconds), apart from the step timeout,
+# which may be short: a rank that is still starting has not hung.
+STARTUP_TIMEOUT = timedelta(seconds=120)
 
 
 def start(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> TpGroup:
@@ -39,7 +42,7 @@ def start(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -
         return _join(0, tp, _torchrun_store(0, tp, timeout_s), timeout_s, device.type)
     if tp == 1:
         return TpGroup(0, 1, device, timeout_s)  # nothing to talk to: every collective is a no-op
-    store = dist.TCPStore(HOST, 0, tp, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(HOST, 0, tp, is_master=True, wait_for_workers=False, timeout=STARTUP_TIMEOUT)
     spawn = mp.get_context("spawn")  # a fresh interpreter per rank: fork would copy torch's threads and CUDA state
     followers = [spawn.Process(target=_spawned_follower, daemon=True, name=f"tp-rank-{rank}",
                                args=(rank, tp, store.port, timeout_s, torch.get_num_threads()))
@@ -72,7 +75,7 @@ def follow_if_torchrun() -> None:
 
 def _spawned_follower(rank: int, size: int, port: int, timeout_s: float, threads: int) -> None:
     torch.set_num_threads(threads)  # the same as rank 0's: the ranks' steps should take the same time
-    store = lambda: dist.TCPStore(HOST, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))  # noqa: E731
+    store = lambda: dist.TCPStore(HOST, port, size, is_master=False, timeout=STARTUP_TIMEOUT)  # noqa: E731
     _follow(rank, store, size, timeout_s)
 
 
@@ -95,7 +98,7 @@ def _torchrun_store(rank: int, size: int, timeout_s: float) -> dist.TCPStore:
     # torchrun's agent may host the store itself (then every rank is a client), as torch's env:// init does.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
-                         is_master=rank == 0 and not agent_hosts, timeout=timedelta(seconds=timeout_s))
+                         is_master=rank == 0 and not agent_hosts, timeout=STARTUP_TIMEOUT)
 
 
 def _join(rank: int, size: int, store: dist.Store, timeout_s: float, device_type: str | None) -> TpGroup:
@@ -103,6 +106,9 @@ def _join(rank: int, size: int, store: dist.Store, timeout_s: float, device_type
     try:
         if rank == 0:
             store.set("tp/device", device_type)
+            store.wait([f"tp/started/{r}" for r in range(1, size)], STARTUP_TIMEOUT)  # then every wait is a step's
+        else:
+            store.set(f"tp/started/{rank}", "1")
         device_type = store.get("tp/device").decode()
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
@@ -110,10 +116,12 @@ def _join(rank: int, size: int, store: dist.Store, timeout_s: float, device_type
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # A timeout is each process's own: rank 0's sends are bounded (a follower hung between steps is found
+        # at the next one), a follower's wait for the next step is not (the server may idle for hours).
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT)
     except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
-        raise RunFailure(f"tensor-parallel rank {rank} of {size} could not join the group within "
-                         f"{timeout_s:g} s: {str(e).strip().splitlines()[0]}") from None
+        raise RunFailure(f"tensor-parallel rank {rank} of {size} could not join the group: "
+                         f"{str(e).strip().splitlines()[0]}") from None
     return TpGroup(rank, size, device, timeout_s, compute=dist.group.WORLD, control=control)
 
 

@@ -336,4 +336,31 @@ MUTATIONS: list[Mutation] = [
              "lessons/l9_server/engine_loop.py",
              "                    self.engine.abort([seq])  # a stop string: the sequence ends here, its blocks go back\n",
              "", ("tests/test_l9_units.py", "-k", "stop_string_ends")),
+    # --- L10: tensor parallelism ---
+    Mutation("l10-no-all-reduce", "L10 exercise", "a row-parallel linear returns its partial sum, never all-reduced "
+             "(docs/l10_tensor_parallel.md, exercise)", "lessons/l10_tensor_parallel/layers.py",
+             "        return self.group.all_reduce(super().forward(x))", "        return super().forward(x)",
+             ("tests/test_l10_units.py::test_row_parallel_partial_sums_add_up_to_the_full_linear",
+              "tests/test_l10_units.py::test_split_model_in_threads_agrees_with_the_whole_model")),
+    Mutation("l10-embedding-unmasked", "L10 tensor parallel", "the vocabulary-parallel embedding does not zero the "
+             "rows of ids outside its shard (they read the shard's row 0)", "lessons/l10_tensor_parallel/layers.py",
+             "return self.group.all_reduce(rows.masked_fill(~mine[:, None], 0))",
+             "return self.group.all_reduce(rows)",
+             ("tests/test_l10_units.py::test_vocab_parallel_embedding_shards_add_up_exactly",)),
+    Mutation("l10-copies-skipped", "L10 tensor parallel", "the step's deferred copy-on-write copies are never made: "
+             "the forked child's copy of the shared block holds no K/V", "lessons/l10_tensor_parallel/runner.py",
+             "        for src, dst in copies:\n            for rows in self.pool.k + self.pool.v:\n"
+             "                rows[dst].copy_(rows[src])\n", "",
+             ("tests/test_l10_tp.py::test_forked_sampling_copies_on_write_on_every_rank",
+              "tests/test_l10_units.py::test_tp1_engine_forks_seeded_samples_as_l8_does")),
+    Mutation("l10-copies-rank0-only", "L10 tensor parallel", "copy-on-write made on rank 0 only: the followers' copy "
+             "of the block holds stale heads", "lessons/l10_tensor_parallel/runner.py",
+             "        for src, dst in copies:", "        for src, dst in (copies if self.tp.leader else []):",
+             ("tests/test_l10_tp.py::test_forked_sampling_copies_on_write_on_every_rank",)),
+    Mutation("l10-kv-replica-wrong-head", "L10 tensor parallel", "with more ranks than KV heads, rank r keeps KV head "
+             "r % Hkv, not the one its query heads read (r * Hkv // tp)", "lessons/l10_tensor_parallel/layout.py",
+             "range(rank * hkv // size, rank * hkv // size + 1)", "range(rank % hkv, rank % hkv + 1)",
+             ("tests/test_l10_tp.py::test_smoke_tp4_replicates_kv_heads_and_matches",
+              "tests/test_l10_units.py::test_split_model_in_threads_agrees_with_the_whole_model",
+              "tests/test_l10_units.py::test_kv_replication_rank_keeps_head_rank_times_hkv_over_tp")),
 ]
