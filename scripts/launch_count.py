@@ -32,11 +32,19 @@ QWEN3 = {
     "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
+# The larger dense models, for sizing.py's tp topic only: not in QWEN3, so this script's counts and the
+# sizing topics that go through QWEN3 print what they printed before these were added.
+QWEN3_LARGER = {
+    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
 
 
 def qwen3_config(name: str) -> Qwen3Config:
     return Qwen3Config(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
-                       eos_token_ids=(151645, 151643), **QWEN3[name])
+                       eos_token_ids=(151645, 151643), **{**QWEN3, **QWEN3_LARGER}[name])
 
 
 class OpCounter(TorchDispatchMode):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lessons.l3_block_tensor.backends.flashinfer_args import WORKSPACE_BYTES  # noqa: E402
 from lessons.l7_cuda_graphs.capture_sizes import default_capture_sizes  # noqa: E402
-from scripts.launch_count import QWEN3, qwen3_config  # noqa: E402
+from scripts.launch_count import QWEN3, QWEN3_LARGER, qwen3_config  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
@@ -30,6 +30,7 @@ from shared.tiny_qwen3 import TINY_CONFIG  # noqa: E402
 H100_BF16_FLOPS = 989e12  # H100 SXM, dense bf16 tensor-core peak
 H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
 PCIE4_BYTES_PER_S = 25e9  # PCIe 4.0 x16 in practice (32 GB/s nominal)
+NVLINK4_BYTES_PER_S = 450e9  # H100 SXM NVLink 4: 900 GB/s per GPU in all, 450 GB/s each direction (data-sheet peak)
 GPU_BYTES = 80e9  # an 80 GB card
 HOST_US_PER_OP = 2.0  # one eager op's CPU side, measured on the course machine (docs/l7_cuda_graphs.md)
 
@@ -193,8 +194,94 @@ def topic_buffers() -> None:
     print(f"  one FlashInfer float workspace: {mib(WORKSPACE_BYTES, 0)}")
 
 
+TP_MODELS = ("Qwen3-8B", *QWEN3_LARGER)  # bf16, like MODELS' Qwen3 entries; 14B and 32B only in this topic
+TP_SIZES, TP_REQUEST_TOKENS, TP_DECODE_T, TP_PREFILL_T = (1, 2, 4, 8), 4096, 64, 4096
+
+
+@lru_cache(maxsize=None)
+def tp_rank(cfg: Qwen3Config, tp: int):
+    """(rank 0's TpLayout, its parameters as stored), counted from L10's model built on meta. Every rank holds
+    as many: each split is even, and the norms are whole on every rank."""
+    from lessons.l10_tensor_parallel.group import TpGroup
+    from lessons.l10_tensor_parallel.layout import TpLayout
+    from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM
+
+    layout = TpLayout.of(cfg, 0, tp)
+    with torch.device("meta"):
+        model = TpQwen3ForCausalLM(cfg, layout, TpGroup(0, tp, torch.device("meta")))
+    tied = len(layout.vocab) * cfg.hidden_size if cfg.tie_word_embeddings else 0  # one tensor when tied
+    return layout, sum(p.numel() for p in model.parameters()) - tied
+
+
+def mib_g(n: float) -> str:
+    return f"{n / MIB:,.4g} MiB"
+
+
+def us(seconds: float) -> str:
+    t = seconds * 1e6
+    return f"{t:.1f} us" if t < 100 else f"{t:.0f} us" if t < 1000 else f"{t / 1e3:.2f} ms"
+
+
+def topic_tp() -> None:
+    from lessons.l10_tensor_parallel.layout import check_tp
+    from shared.errors import CourseError
+
+    print(f"Tensor parallelism, bf16, one {GPU_BYTES / 1e9:.0f} GB card per rank; KV gets the card minus the rank's weights")
+    print("(no reserve for activations or workspace: an upper bound). A rank holds its KV heads of every token, so the")
+    print(f"tokens that fit on one rank are the tokens the group holds. requests: how many of {TP_REQUEST_TOKENS:,} tokens "
+          f"each fit at once.")
+    for name in TP_MODELS:
+        cfg, nbytes = qwen3_config(name), 2
+        total, per = params(cfg)[0], cfg.kv_bytes_per_token(nbytes)
+        hkv = cfg.num_key_value_heads
+        print(f"{name}: {total:,} parameters x {nbytes} B = {total * nbytes / 1e9:.1f} GB; KV 2 x {hkv} x {cfg.head_dim} x "
+              f"{cfg.num_hidden_layers} x {nbytes} B = {kib(per)} per token")
+        print(f"  {'tp':>3} {'weights/rank':>13} {'KV heads/rank':>14} {'KV/token/rank':>14} {'left for KV':>12} "
+              f"{'tokens of KV':>13} {'requests':>9} {'per card':>9}")
+        for tp in TP_SIZES:
+            try:
+                check_tp(cfg, tp)
+            except CourseError as e:
+                print(f"  {tp:>3} refused: {e}")
+                continue
+            layout, weights = tp_rank(cfg, tp)
+            kv_tok = layout.local_config(cfg).kv_bytes_per_token(nbytes)
+            heads = f"{len(layout.kv_heads)}" + (f" (x{tp // hkv})" if tp > hkv else "")  # each head on tp/Hkv ranks
+            left = GPU_BYTES - weights * nbytes
+            tokens = int(left // kv_tok) if left > 0 else 0
+            reqs = tokens // TP_REQUEST_TOKENS
+            print(f"  {tp:>3} {weights * nbytes / 1e9:>10.1f} GB {heads:>14} {kib(kv_tok):>14} "
+                  f"{max(left, 0) / 1e9:>9.1f} GB {tokens:>13,} {reqs:>9,} {reqs / tp:>9,.1f}")
+    print("  KV heads (xN): each KV head held by N ranks (tp above Hkv); per card: requests / tp, to set beside tp 1")
+
+    name = "Qwen3-8B"
+    cfg, nbytes = qwen3_config(name), 2
+    e, layers = cfg.hidden_size, cfg.num_hidden_layers
+    per_token = 2 * e * nbytes  # o_proj's and down_proj's outputs, one row each
+    layer_weights = params(cfg)[1] // layers
+    print(f"{name}'s all-reduces, on paper: 2 per layer (o_proj, down_proj), each [T, {e:,}] x {nbytes} B, so "
+          f"{kib(per_token)} per token per layer.")
+    print("A ring all-reduce sends (and receives) 2(tp-1)/tp of that per rank. Link time at NVLink 4's "
+          f"{NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s or PCIe 4.0")
+    print(f"x16's {PCIE4_BYTES_PER_S / 1e9:.0f} GB/s per direction, no latency counted; matmuls/rank: the layer's "
+          f"{layer_weights:,} matmul weights / tp,")
+    print(f"2 FLOP each per token, at the H100's bf16 peak ({H100_BF16_FLOPS / 1e12:.0f} TFLOP/s); mm: that matmul time.")
+    for tokens, what in ((TP_DECODE_T, "a decode batch"), (TP_PREFILL_T, "a prefill")):
+        payload = tokens * per_token
+        print(f"  T = {tokens:,} ({what}): {mib_g(payload)} all-reduced per layer, {mib_g(layers * payload)} in the "
+              f"{layers} layers")
+        print(f"    {'tp':>3} {'sent/rank':>10} {'NVLink':>9} {'PCIe':>9} {'matmuls/rank':>13} {'NVLink/mm':>10} "
+              f"{'PCIe/mm':>8}")
+        for tp in TP_SIZES[1:]:
+            sent = payload * 2 * (tp - 1) / tp
+            nvlink, pcie = sent / NVLINK4_BYTES_PER_S, sent / PCIE4_BYTES_PER_S
+            matmul = 2 * layer_weights / tp * tokens / H100_BF16_FLOPS
+            print(f"    {tp:>3} {mib_g(sent):>10} {us(nvlink):>9} {us(pcie):>9} {us(matmul):>13} "
+                  f"{nvlink / matmul:>9.2f}x {pcie / matmul:>7.1f}x")
+
+
 TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
-          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers}
+          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "tp": topic_tp}
 
 
 def main() -> None:
