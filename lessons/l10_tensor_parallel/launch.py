@@ -39,13 +39,13 @@ def start(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -
         world = int(os.environ["WORLD_SIZE"])
         if world != tp:
             raise CourseError(f"--tp {tp}, but torchrun started {world} processes: give --nproc-per-node {tp}")
-        return _join(0, tp, _torchrun_store(0, tp, timeout_s), timeout_s, device.type)
+        return _join(0, tp, _torchrun_store(0, tp), timeout_s, device.type)
     if tp == 1:
         return TpGroup(0, 1, device, timeout_s)  # nothing to talk to: every collective is a no-op
     store = dist.TCPStore(HOST, 0, tp, is_master=True, wait_for_workers=False, timeout=STARTUP_TIMEOUT)
     spawn = mp.get_context("spawn")  # a fresh interpreter per rank: fork would copy torch's threads and CUDA state
     followers = [spawn.Process(target=_spawned_follower, daemon=True, name=f"tp-rank-{rank}",
-                               args=(rank, tp, store.port, timeout_s, torch.get_num_threads()))
+                               args=(rank, tp, store.port, torch.get_num_threads()))
                  for rank in range(1, tp)]
     for p in followers:
         p.start()
@@ -70,46 +70,46 @@ def follow_if_torchrun() -> None:
     if rank is None or rank == 0:
         return
     world = int(os.environ["WORLD_SIZE"])
-    _follow(rank, lambda: _torchrun_store(rank, world, DEFAULT_TIMEOUT_S), world, DEFAULT_TIMEOUT_S)
+    _follow(rank, lambda: _torchrun_store(rank, world), world)
 
 
-def _spawned_follower(rank: int, size: int, port: int, timeout_s: float, threads: int) -> None:
+def _spawned_follower(rank: int, size: int, port: int, threads: int) -> None:
     torch.set_num_threads(threads)  # the same as rank 0's: the ranks' steps should take the same time
-    store = lambda: dist.TCPStore(HOST, port, size, is_master=False, timeout=STARTUP_TIMEOUT)  # noqa: E731
-    _follow(rank, store, size, timeout_s)
+    _follow(rank, lambda: dist.TCPStore(HOST, port, size, is_master=False, timeout=STARTUP_TIMEOUT), size)
 
 
-def _follow(rank: int, make_store, size: int, timeout_s: float) -> None:
+def _follow(rank: int, make_store, size: int) -> None:
     from lessons.l10_tensor_parallel.follower import follow  # the follower loop needs the model; import it here
 
     try:
-        group = _join(rank, size, make_store(), timeout_s, None)
+        group = _join(rank, size, make_store(), None, None)
         follow(group)
         group.close()
     except (CourseError, RunFailure) as e:
-        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        print(f"error: {e}" if isinstance(e, RunFailure) else f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     except KeyboardInterrupt:
         raise SystemExit(1)
     raise SystemExit(0)
 
 
-def _torchrun_store(rank: int, size: int, timeout_s: float) -> dist.TCPStore:
+def _torchrun_store(rank: int, size: int) -> dist.TCPStore:
     # torchrun's agent may host the store itself (then every rank is a client), as torch's env:// init does.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
                          is_master=rank == 0 and not agent_hosts, timeout=STARTUP_TIMEOUT)
 
 
-def _join(rank: int, size: int, store: dist.Store, timeout_s: float, device_type: str | None) -> TpGroup:
-    """Every rank: meet at the store, join both groups. Rank 0 says which device; the others read it."""
+def _join(rank: int, size: int, store: dist.Store, timeout_s: float | None, device_type: str | None) -> TpGroup:
+    """Every rank: meet at the store, join both groups. Rank 0 says which device and timeout; the others read them."""
     try:
         if rank == 0:
             store.set("tp/device", device_type)
+            store.set("tp/timeout", str(timeout_s))
             store.wait([f"tp/started/{r}" for r in range(1, size)], STARTUP_TIMEOUT)  # then every wait is a step's
         else:
             store.set(f"tp/started/{rank}", "1")
-        device_type = store.get("tp/device").decode()
+        device_type, timeout_s = store.get("tp/device").decode(), float(store.get("tp/timeout"))
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
