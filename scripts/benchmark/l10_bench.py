@@ -77,7 +77,8 @@ COLLECTIVES = ("all-reduce", "gather", "broadcast")
 MIB = 1024**2
 
 
-def make_jobs(seed: int, repeat: int, n: int, lengths: tuple[int, int], new: int, vocab: int) -> list[tuple[list[int], int]]:
+def make_jobs(seed: int, repeat: int, n: int, lengths: tuple[int, int], new: int,
+              vocab: int) -> list[tuple[list[int], int]]:
     """(prompt ids, new tokens) per request; warm-up requests are repeat -1. The same at every tp."""
     rng = random.Random(f"{seed}/{repeat}")
     hi = min(TOKEN_HI, vocab)
@@ -127,7 +128,8 @@ def child(args) -> None:
     warm = make_jobs(args.seed, -1, 0, (0, 0), 0, cfg.vocab_size)
     runs_jobs = [make_jobs(args.seed, r, args.requests, tuple(args.prompt_len), args.new_tokens, cfg.vocab_size)
                  for r in range(args.repeats)]
-    num_blocks = max(sum(blocks_for(len(ids) + new, args.block_size) for ids, new in jobs) for jobs in runs_jobs + [warm])
+    num_blocks = max(sum(blocks_for(len(ids) + new, args.block_size) for ids, new in jobs)
+                     for jobs in runs_jobs + [warm])
     num_blocks += args.requests  # slack: a decode row may open its next block before another request ends
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -186,7 +188,8 @@ def summarize(res: dict) -> dict:
     return {"tp": res["tp"], "steps_per_run": n / len(res["runs"]), "wall_s_per_run": wall / len(res["runs"]),
             "step_ms": 1e3 * wall / n, "prefill_step_ms": 1e3 * statistics.fmean(prefill) if prefill else None,
             "decode_step_ms": 1e3 * statistics.fmean(decode) if decode else None,
-            "prefill_steps_per_run": len(prefill) / len(res["runs"]), "decode_steps_per_run": len(decode) / len(res["runs"]),
+            "prefill_steps_per_run": len(prefill) / len(res["runs"]),
+            "decode_steps_per_run": len(decode) / len(res["runs"]),
             "all_reduces_per_step": calls["all-reduce"] / n,
             "all_reduce_ms": 1e3 * secs["all-reduce"] / calls["all-reduce"] if calls["all-reduce"] else None,
             **{f"{c.replace('-', '_')}_share": secs[c] / wall for c in COLLECTIVES},
@@ -235,7 +238,8 @@ def show_steps(console: Console, rows: list[dict], title: str) -> None:
             ratio = r["x_base"].get(key)
             return f"{text}\n[bold]{ratio:.2f}x[/]" if ratio is not None and r is not rows[0] else text
 
-        t.add_row(str(r["tp"]), f"{r['steps_per_run']:.0f} ({r['prefill_steps_per_run']:.0f}+{r['decode_steps_per_run']:.0f})",
+        split = f"{r['prefill_steps_per_run']:.0f}+{r['decode_steps_per_run']:.0f}"
+        t.add_row(str(r["tp"]), f"{r['steps_per_run']:.0f} ({split})",
                   cell("step_ms", fmt(r["step_ms"], " ms", 2)),
                   cell("prefill_step_ms", fmt(r["prefill_step_ms"], " ms", 2)),
                   cell("decode_step_ms", fmt(r["decode_step_ms"], " ms", 2)),
@@ -246,13 +250,13 @@ def show_steps(console: Console, rows: list[dict], title: str) -> None:
                   cell("computed_tokens_per_s", fmt(r["computed_tokens_per_s"], "", 0)),
                   "[green]same[/]" if r["parity"] else "[red]FAIL[/]")
     console.print(t)
-    console.print(f"  steps/run: all (with a prompt slice + decode only). step, with slice, decode only: mean step time "
-                  f"of those steps, rank 0's wall clock, pooled over the timed runs; below a value, its ratio to tp "
-                  f"{rows[0]['tp']}'s. AR/step: all-reduces per step; one AR: the mean time of one. AR, gather, bcast: "
-                  f"the share of the timed runs' wall time rank 0 spent in all-reduces, in the LM head's gather and in "
-                  f"broadcasting each step (waits for the other ranks included). rest: the mean step minus those "
-                  f"(rank 0's own compute, scheduling, sampling). out tok/s: output tokens; all tok/s: prompt and output "
-                  f"tokens computed, per second of the timed runs")
+    console.print(f"  steps/run: all (with a prompt slice + decode only). step, with slice, decode only: mean step "
+                  f"time of those steps, rank 0's wall clock, pooled over the timed runs; below a value, its ratio to "
+                  f"tp {rows[0]['tp']}'s. AR/step: all-reduces per step; one AR: the mean time of one. AR, gather, "
+                  f"bcast: the share of the timed runs' wall time rank 0 spent in all-reduces, in the LM head's gather "
+                  f"and in broadcasting each step (waits for the other ranks included). rest: the mean step minus "
+                  f"those (rank 0's own compute, scheduling, sampling). out tok/s: output tokens; all tok/s: prompt "
+                  f"and output tokens computed, per second of the timed runs")
 
 
 def show_kv(console: Console, rows: list[dict], measured: dict[int, float], weights: dict[int, int], cfg: Qwen3Config,
@@ -294,7 +298,8 @@ def parse_sizes(text: str, flag: str) -> list[int]:
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l10_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp-sizes", default="1,2", help="comma-separated tp sizes to run, first is the baseline (default 1,2)")
+    p.add_argument("--tp-sizes", default="1,2",
+                   help="comma-separated tp sizes to run, the first one the baseline (default 1,2)")
     p.add_argument("--requests", type=int, default=8, help="requests per timed run (default 8)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[192, 384], metavar=("MIN", "MAX"),
                    help="prompt tokens, drawn per request (default 192 384)")
@@ -370,18 +375,22 @@ def main() -> None:
         if cfg.vocab_size <= TOKEN_LO:
             raise CourseError(f"the model's vocabulary ({cfg.vocab_size}) is too small for token ids from {TOKEN_LO}")
         for r in range(args.repeats):
-            for ids, new in make_jobs(args.seed, r, args.requests, tuple(args.prompt_len), args.new_tokens, cfg.vocab_size):
+            jobs = make_jobs(args.seed, r, args.requests, tuple(args.prompt_len), args.new_tokens, cfg.vocab_size)
+            for ids, new in jobs:
                 check_prompt(ids, StopRule(new), cfg)
         dtype_name = str(dtype).removeprefix("torch.")
         conditions = bench_conditions.start()
         threads = torch.get_num_threads()
         lengths = [len(ids) for ids, _ in make_jobs(args.seed, 0, args.requests, tuple(args.prompt_len),
                                                     args.new_tokens, cfg.vocab_size)]
-        console.print(f"[bold]L10 tensor-parallel benchmark[/]: {model_dir.name}, {device}, {dtype_name}, torch threads "
-                      f"{threads} per rank, {conditions['cores']} cores, seed {args.seed}, {args.repeats} timed run(s) per tp")
-        console.print(f"  workload: {args.requests} requests at once, prompts of {args.prompt_len[0]}-{args.prompt_len[1]} "
+        console.print(f"[bold]L10 tensor-parallel benchmark[/]: {model_dir.name}, {device}, {dtype_name}, torch "
+                      f"threads {threads} per rank, {conditions['cores']} cores, seed {args.seed}, {args.repeats} "
+                      f"timed run(s) per tp")
+        console.print(f"  workload: {args.requests} requests at once, prompts of "
+                      f"{args.prompt_len[0]}-{args.prompt_len[1]} "
                       f"random token ids (run 1: {', '.join(map(str, lengths))}), {args.new_tokens} new tokens each, "
-                      f"greedy, EOS ignored; token budget {args.max_batched_tokens} per step, blocks of {args.block_size}; "
+                      f"greedy, EOS ignored; token budget {args.max_batched_tokens} per step, blocks of "
+                      f"{args.block_size}; "
                       f"{cfg.num_hidden_layers} layers, so {2 * cfg.num_hidden_layers + 1} all-reduces per forward")
         t0 = time.perf_counter()
         results = []
@@ -412,7 +421,8 @@ def main() -> None:
         row["x_base"] = {k: (row[k] / rows[0][k] if row[k] is not None and rows[0][k] else None) for k in RATIO_KEYS}
         row["parity"] = [run["outputs"] for run in res["runs"]] == [run["outputs"] for run in base_outputs] and all(
             len(o) == args.new_tokens for run in res["runs"] for o in run["outputs"])
-        row["notes"] = [f"{run['cached_tokens']} prompt tokens from the prefix cache, {run['preemptions']} preemption(s)"
+        row["notes"] = [f"{run['cached_tokens']} prompt tokens from the prefix cache, "
+                        f"{run['preemptions']} preemption(s)"
                         for run in res["runs"] if run["cached_tokens"] or run["preemptions"]]
     show_steps(console, rows, f"Per engine step on rank 0: {args.requests} requests, "
                               f"{args.requests * args.new_tokens} output tokens per run")
@@ -440,7 +450,8 @@ def main() -> None:
     console.print(f"wall time {wall:.0f} s")
     failed = [r["tp"] for r in rows if not r["parity"]]
     if failed:
-        console.print(f"[red]FAIL[/]: greedy tokens differ from tp {rows[0]['tp']}'s at tp {', '.join(map(str, failed))}")
+        console.print(f"[red]FAIL[/]: greedy tokens differ from tp {rows[0]['tp']}'s at tp "
+                      f"{', '.join(map(str, failed))}")
         raise SystemExit(1)
 
 
