@@ -780,7 +780,8 @@ def bad_cases(model: str) -> list[tuple[str, str, object, int, str | None, str |
 def test_bad_input_is_refused_by_name_beside_a_stream(server, hf, tokenizer, eos):
     """Each bad request gets its status and OpenAI's error object naming the field, while a long greedy
     stream is in flight beside them; that stream then finishes with exactly HF's tokens."""
-    prompt, new = random_ids(81, 300), 100
+    # 400 tokens: long enough to outlast the ~20 bad requests on a loaded 2-core box (100 did not, once).
+    prompt, new = random_ids(81, 300), 400
     state: dict = {"tokens": [], "finishes": [], "error": None}
     first = threading.Event()
 
