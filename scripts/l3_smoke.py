@@ -30,8 +30,9 @@ def build_engines(model, args):
 def parser():
     p = smoke_parser("L3", __doc__, blocks=True, default_prompts=DEFAULT_PROMPTS)
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="attention kernels: flashinfer (CUDA), batched (one call for all decodes, anywhere), "
-                        "torch (the per-request oracle), auto (flashinfer when it can run, else batched)")
+                   help="attention kernels: flashinfer (CUDA), cpp (the C++ kernel that walks the block table, CPU; "
+                        "built on first use), batched (one call for all decodes, anywhere), torch (the per-request "
+                        "oracle), auto (flashinfer when it can run, else cpp on the CPU where it builds, else batched)")
     return p
 
 

@@ -26,6 +26,19 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpp_kernel_built() -> None:
+    """Build L3's C++ attention kernel (about a minute, once per cache) before the first test, so no test, and
+    no smoke or server a test starts under a timeout, pays for the build. Where it cannot build, `auto` takes
+    the batched backend and the kernel's own tests skip, saying why."""
+    from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable, load_kernel
+
+    try:
+        load_kernel()
+    except KernelUnavailable:
+        pass
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     return default_model_dir()

@@ -46,6 +46,7 @@ L1L2_PARITY = ("tests/test_l1_l2_parity.py::test_default_model_l1_l2_hf_ignore_e
 L3_PARITY = ("tests/test_l3_engine.py::test_batch_matches_hf_alone",)
 REQ = "lessons/l2_token_flat/request.py"
 META = "lessons/l3_block_tensor/batch_meta.py"
+CPP = "lessons/l3_block_tensor/backends/paged_attention.cpp"
 L4S = "lessons/l4_continuous/scheduler.py"
 L5S = "lessons/l5_preemption/scheduler.py"
 HOST = "lessons/l5_preemption/host_pool.py"
@@ -141,6 +142,15 @@ MUTATIONS: list[Mutation] = [
              "kv_len = s * (n_pages - 1) + meta.kv_last_page_len.long()[requests]", "kv_len = s * n_pages",
              ("tests/test_l3_batched_backend.py::test_worked_example_padded_table_and_mask",
               "tests/test_l3_batched_backend.py::test_mixed_batch_matches_oracle_fp32")),
+    Mutation("cpp-last-page-full", "page tables", "C++ kernel counts every last page as full (reads its unwritten tail)",
+             CPP, "const int64_t kv_len = s * (n_pages - 1) + last[b];", "const int64_t kv_len = s * n_pages;",
+             ("tests/test_l3_cpp_backend.py::test_every_last_page_length_matches_oracle",)),
+    Mutation("cpp-no-rescale", "online softmax", "C++ kernel does not shrink the accumulator when a page raises the max",
+             CPP, "          scale_by(&w.acc[lane * d], shrink, d);\n", "",
+             ("tests/test_l3_cpp_backend.py::test_online_softmax_rescales_when_a_later_page_holds_the_max",)),
+    Mutation("cpp-wrong-request-pages", "page tables", "C++ kernel reads every request's pages from request 0's table",
+             CPP, "idx + kv_start[tile.request]", "idx + kv_start[0]",
+             ("tests/test_l3_cpp_backend.py::test_requests_read_only_their_own_pages",)),
     Mutation("l3-v-gets-k", "layer/KV", "block pool writes K into V",
              "lessons/l3_block_tensor/kv_pool.py", "self.v[layer].view(-1, hkv, d)[slot_mapping] = v",
              "self.v[layer].view(-1, hkv, d)[slot_mapping] = k", L3_PARITY),

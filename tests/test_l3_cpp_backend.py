@@ -1,0 +1,198 @@
+"""The C++ kernel (cpp_backend.py, paged_attention.cpp) against the torch oracle, and how `auto` picks it.
+
+Tolerances are the batched backend's (tests/test_l3_batched_backend.py): fp32 within 1e-5 of the oracle
+(both exact attention, sums in another order); bf16 within 2e-2 of the oracle run in fp32 on the same bf16
+inputs. Pages are scattered over a pool of random K/V, every unwritten tail included, so reading a wrong page
+or a key past a request's history changes the output.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lessons.l2_token_flat.request import Request
+from lessons.l3_block_tensor.backends import BatchedBackend, CppBackend, make_backend
+from lessons.l3_block_tensor.backends import cpp_backend
+from lessons.l3_block_tensor.backends.torch_backend import TorchBackend
+from lessons.l3_block_tensor.batch_meta import BatchMeta
+from shared.errors import CourseError
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+
+try:
+    cpp_backend.load_kernel()
+    UNAVAILABLE = None
+except cpp_backend.KernelUnavailable as e:
+    UNAVAILABLE = str(e)
+needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C++ kernel is unavailable: {UNAVAILABLE}")
+
+
+def batch(seed: int, s: int, hq: int, hkv: int, d: int, rows: list[tuple[int, int]], dtype=torch.float32):
+    """One request per (history length, new tokens): 1 new token is a decode row, new == history a whole
+    prompt, anything between a slice (L8) or a continued prefill. Pages drawn at random from a pool with
+    spare blocks, all of it random K/V."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-kv // s) for kv, _ in rows) + 5
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    reqs = [Request(list(range(kv)), s, blocks=[free.pop() for _ in range(-(-kv // s))], num_cached=kv - new)
+            for kv, new in rows]
+    meta = BatchMeta.build(reqs, s, CPU)
+    k = torch.randn(num_blocks, s, hkv, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, s, hkv, d, generator=g).to(dtype)
+    q = torch.randn(meta.num_tokens, hq, d, generator=g).to(dtype)
+    return meta, q, k, v
+
+
+def run(backend, meta: BatchMeta, q, k, v) -> torch.Tensor:
+    backend.plan(meta)
+    return backend.run(q, k, v, meta)
+
+
+# Decodes, whole prompts and slices of longer histories, interleaved, each kind with one-page and many-page
+# histories: (history length, new tokens).
+MIXED = [(1, 1), (37, 37), (200, 1), (45, 9), (3, 1), (64, 64), (130, 17), (16, 1), (401, 1), (90, 2)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("s", [1, 7, 16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 1)])  # GQA groups 1, 2 and 8
+@pytest.mark.parametrize("d", [64, 128])
+def test_mixed_batch_matches_oracle_fp32(s: int, hq: int, hkv: int, d: int):
+    meta, q, k, v = batch(seed=s * 1000 + hq * 10 + hkv + d, s=s, hq=hq, hkv=hkv, d=d, rows=MIXED)
+    got = run(CppBackend(), meta, q, k, v)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, run(TorchBackend(), meta, q, k, v), **FP32_TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("s", [7, 16])
+def test_every_last_page_length_matches_oracle(s: int):
+    # Histories of 2S+1 .. 3S tokens end their last page at every length 1 .. S; the rest of that page holds
+    # random K/V, which the oracle never reads and the kernel must not read either.
+    rows = [(2 * s + n, 1) for n in range(1, s + 1)] + [(2 * s + n, 3) for n in range(1, s + 1)]
+    meta, q, k, v = batch(seed=s, s=s, hq=8, hkv=4, d=64, rows=rows)
+    assert sorted(set(meta.kv_last_page_len.tolist())) == list(range(1, s + 1))
+    torch.testing.assert_close(run(CppBackend(), meta, q, k, v), run(TorchBackend(), meta, q, k, v), **FP32_TOL)
+
+
+@needs_kernel
+def test_online_softmax_rescales_when_a_later_page_holds_the_max():
+    # Keys grow page after page, so every new page raises each row's running max: an accumulator that is
+    # not shrunk then keeps the earlier pages' weights at their old, too-large scale.
+    s, hq, hkv, d = 4, 2, 1, 64
+    meta, q, k, v = batch(seed=5, s=s, hq=hq, hkv=hkv, d=d, rows=[(12, 1), (12, 12)])
+    q = torch.ones_like(q) / 8
+    page_of = {int(b): p for p, b in enumerate(meta.kv_indices.tolist()[:3])}
+    for block, p in page_of.items():
+        k[block] = 0.5 * (p + 1)  # page p's keys all score 0.5 * (p + 1) * d / 8 / sqrt(d) against q
+    want = run(TorchBackend(), meta, q, k, v)
+    torch.testing.assert_close(run(CppBackend(), meta, q, k, v), want, **FP32_TOL)
+
+
+@needs_kernel
+def test_requests_read_only_their_own_pages():
+    # Three decodes over the same history length, each request's V a different constant: attention is a
+    # weighted mean of V, so each output row is its own request's constant, whatever the weights.
+    meta, q, k, v = batch(seed=9, s=4, hq=4, hkv=2, d=64, rows=[(10, 1), (10, 1), (10, 1)])
+    pages = meta.kv_indices.tolist()
+    v.fill_(-100.0)  # spare blocks: a wrong page shows up as -100 in the mean
+    for b in range(3):
+        for block in pages[int(meta.kv_indptr[b]):int(meta.kv_indptr[b + 1])]:
+            v[block] = float(b + 1)
+    got = run(CppBackend(), meta, q, k, v)
+    torch.testing.assert_close(got, torch.tensor([1.0, 2.0, 3.0])[:, None, None].expand_as(got), **FP32_TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("s,hq,hkv,d", [(7, 8, 4, 64), (16, 8, 1, 128)])
+def test_bf16_matches_fp32_oracle(s: int, hq: int, hkv: int, d: int):
+    meta, q, k, v = batch(seed=3 + s, s=s, hq=hq, hkv=hkv, d=d, rows=MIXED, dtype=torch.bfloat16)
+    got = run(CppBackend(), meta, q, k, v)
+    assert got.dtype == torch.bfloat16
+    want = run(TorchBackend(), meta, q.float(), k.float(), v.float())
+    torch.testing.assert_close(got.float(), want, **BF16_TOL)
+
+
+@needs_kernel
+def test_threads_change_nothing():
+    # Work items (request, KV head, row tile) are independent: any thread count computes the same sums.
+    meta, q, k, v = batch(seed=11, s=16, hq=8, hkv=4, d=64, rows=MIXED)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(CppBackend(), meta, q, k, v)
+        torch.set_num_threads(2)
+        two = run(CppBackend(), meta, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_a_bad_page_table_is_an_error_not_a_read_outside_the_pool():
+    meta, q, k, v = batch(seed=2, s=4, hq=4, hkv=2, d=64, rows=[(9, 1)])
+    kernel = cpp_backend.load_kernel()
+    bad = meta.kv_indices.clone()
+    bad[-1] = k.shape[0]  # one past the pool
+    with pytest.raises(RuntimeError, match="names block"):
+        kernel.paged_attention(q, k, v, meta.qo_indptr, meta.kv_indptr, bad, meta.kv_last_page_len)
+    with pytest.raises(RuntimeError, match="last page length"):
+        kernel.paged_attention(q, k, v, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len + 4)
+
+
+@needs_kernel
+def test_run_refuses_metadata_it_did_not_plan():
+    meta, q, k, v = batch(seed=1, s=4, hq=4, hkv=2, d=64, rows=[(5, 1)])
+    other, *_ = batch(seed=1, s=4, hq=4, hkv=2, d=64, rows=[(5, 1)])
+    backend = CppBackend()
+    backend.plan(meta)
+    with pytest.raises(RuntimeError, match="not planned"):
+        backend.run(q, k, v, other)
+
+
+@needs_kernel
+def test_auto_picks_the_kernel_on_cpu(tiny_model):
+    for dtype in (torch.float32, torch.bfloat16):
+        assert isinstance(make_backend("auto", tiny_model.config, dtype, CPU), CppBackend)
+    assert isinstance(make_backend("cpp", tiny_model.config, torch.float32, CPU), CppBackend)
+    with pytest.raises(CourseError, match="--backend cpp runs on the CPU; this run is on cuda"):
+        make_backend("cpp", tiny_model.config, torch.bfloat16, torch.device("cuda"))
+
+
+def test_where_it_cannot_build_auto_says_why_once_and_takes_batched(tiny_model, monkeypatch, capsys):
+    import lessons.l3_block_tensor.backends as backends
+
+    monkeypatch.setattr(cpp_backend, "_loaded", None)
+    monkeypatch.setattr(cpp_backend, "_failure", "no C++ compiler (c++) on PATH")
+    monkeypatch.setattr(backends, "_said_why_not_cpp", False)
+    assert isinstance(make_backend("auto", tiny_model.config, torch.float32, CPU), BatchedBackend)
+    assert isinstance(make_backend("auto", tiny_model.config, torch.float32, CPU), BatchedBackend)
+    assert capsys.readouterr().err == ("note: the C++ attention kernel is unavailable (no C++ compiler (c++) on "
+                                       "PATH); using the batched backend\n")
+    with pytest.raises(CourseError, match=r"^--backend cpp cannot run: no C\+\+ compiler \(c\+\+\) on PATH$"):
+        make_backend("cpp", tiny_model.config, torch.float32, CPU)
+
+
+def test_smoke_without_a_compiler():
+    """A machine with no C++ compiler: --backend cpp is one line and exit 2; auto runs on batched, and says so."""
+    env = {**os.environ, "CXX": "no-such-compiler", "OMP_NUM_THREADS": "1"}
+
+    def smoke(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "scripts/l3_smoke.py", "--max-new-tokens", "4", *args], cwd=ROOT,
+                              capture_output=True, text=True, env=env)
+
+    r = smoke("--backend", "cpp")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --backend cpp cannot run: no C++ compiler (no-such-compiler) on PATH"
+    r = smoke()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS: every prompt matches HF" in r.stdout
+    assert "note: the C++ attention kernel is unavailable (no C++ compiler (no-such-compiler) on PATH)" in r.stderr
