@@ -1,9 +1,11 @@
-"""Time the batched CPU backend against the torch oracle, in one process, and print the ratio.
+"""Time the CPU attention backends against each other, in one process, and print the ratios.
 
-Part 1: one layer's `run` on a decode batch (random K/V in scattered pages), both backends timed in
-alternating rounds so a busy machine slows both alike. Part 2 (--engine): a whole L4 run on the
-embedded model with each backend, checking the tokens are identical. Pin the thread count
-(OMP_NUM_THREADS=1) and report `uptime` beside the numbers: the ratio is the claim, not the times.
+Part 1: one layer's `run` on a decode batch (random K/V in scattered pages): the torch oracle, the batched
+backend and the C++ kernel (when it builds), timed in alternating rounds so a busy machine slows all alike,
+beside the memory floor: the K/V bytes the batch reads over this machine's streaming-read rate, measured in
+the same run. Part 2 (--engine): a whole L4 run on the embedded model with each backend, checking the tokens
+are identical. Pin the thread count (OMP_NUM_THREADS=1) and report `uptime` beside the numbers: the ratios
+are the claim, not the times.
 """
 from __future__ import annotations
 
@@ -16,7 +18,28 @@ import torch
 
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend
+from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable
 from lessons.l3_block_tensor.batch_meta import BatchMeta
+
+DRAM_BYTES = 1024**3  # a read this large comes from DRAM on any machine the course runs on (the box's L3: 480 MiB)
+
+
+def cpu_backends() -> dict[str, Callable[[], object]]:
+    """name -> backend class, the oracle first (the baseline); the C++ kernel only where it builds."""
+    backends: dict[str, Callable[[], object]] = {"torch": TorchBackend, "batched": BatchedBackend}
+    try:
+        CppBackend()
+        backends["cpp"] = CppBackend
+    except KernelUnavailable as e:
+        print(f"cpp: not timed: {e}")
+    return backends
+
+
+def read_rate(nbytes: int) -> float:
+    """Bytes per second one reduction streams through a buffer of `nbytes` (the thread count as set). Summed again
+    and again, a buffer that fits a cache is read from there, as the bench's K/V is by repeated run() calls."""
+    x = torch.ones(nbytes // 4)
+    return nbytes / alternate({"sum": lambda: x.sum()}, rounds=5, calls=3)["sum"]
 
 
 def decode_batch(args: argparse.Namespace) -> tuple[BatchMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,18 +74,28 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> 
 
 def layer_run(args: argparse.Namespace) -> None:
     meta, q, k, v = decode_batch(args)
-    oracle, batched = TorchBackend(), BatchedBackend()
-    oracle.plan(meta)
-    batched.plan(meta)
+    backends = {name: cls() for name, cls in cpu_backends().items()}
+    for b in backends.values():
+        b.plan(meta)
     tol = 1e-5 if args.dtype == "float32" else 2e-2  # the tolerances of tests/test_l3_batched_backend.py
-    torch.testing.assert_close(batched.run(q, k, v, meta), oracle.run(q, k, v, meta), rtol=tol, atol=tol)
-    t = alternate({"torch": lambda: oracle.run(q, k, v, meta), "batched": lambda: batched.run(q, k, v, meta)},
-                  args.rounds, args.calls)
+    want = backends["torch"].run(q, k, v, meta)
+    for name, b in backends.items():
+        torch.testing.assert_close(b.run(q, k, v, meta), want, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    t = alternate({name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()}, args.rounds, args.calls)
+    # What any kernel must read: every K and V row of each request's history, once.
+    kv_tokens = int(meta.kv_last_page_len.sum()) + args.block_size * int((meta.kv_indptr.diff() - 1).sum())
+    kv_bytes = 2 * kv_tokens * args.hkv * args.head_dim * k.element_size()
+    rate, dram_rate = read_rate(kv_bytes), read_rate(DRAM_BYTES)
+    floor = kv_bytes / rate
     print(f"one layer's run(): {args.requests} decodes, histories {args.min_history}..{args.max_history}, "
           f"S={args.block_size}, Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, {args.dtype}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"  torch (oracle) {t['torch'] * 1e3:8.3f} ms   batched {t['batched'] * 1e3:8.3f} ms   "
-          f"batched is {t['torch'] / t['batched']:.2f}x the oracle's speed")
+    for name, secs in t.items():
+        print(f"  {name:8s} {secs * 1e3:8.3f} ms   {t['torch'] / secs:6.2f}x the oracle   "
+              f"{t['batched'] / secs:6.2f}x batched   {floor / secs:6.1%} of the memory floor")
+    print(f"  memory floor {floor * 1e3:.3f} ms: {kv_bytes / 2**20:.1f} MiB of K/V read once, at the rate one sum reads "
+          f"a buffer of that size ({rate / 1e9:.1f} GB/s, measured now, same threads); from DRAM (a 1 GiB sum, "
+          f"{dram_rate / 1e9:.1f} GB/s) it would be {kv_bytes / dram_rate * 1e3:.3f} ms")
 
 
 def engine_run(args: argparse.Namespace) -> None:
@@ -86,12 +119,12 @@ def engine_run(args: argparse.Namespace) -> None:
             out[name] = L4Engine(model, args.block_size, num_blocks, backend=name).generate_batch(prompts, stop)
         return go
 
-    t = alternate({"torch": run("torch"), "batched": run("batched")}, rounds=args.engine_rounds, calls=1)
-    assert out["torch"] == out["batched"], "the backends disagree on the tokens"
+    t = alternate({name: run(name) for name in cpu_backends()}, rounds=args.engine_rounds, calls=1)
+    assert all(tokens == out["torch"] for tokens in out.values()), "the backends disagree on the tokens"
     print(f"whole L4 run: embedded model, {args.requests} prompts of {args.min_history}..{args.max_history} tokens, "
           f"{args.new_tokens} new tokens each, S={args.block_size}: identical tokens")
-    print(f"  torch (oracle) {t['torch']:8.3f} s    batched {t['batched']:8.3f} s    "
-          f"batched is {t['torch'] / t['batched']:.2f}x the oracle's speed")
+    for name, secs in t.items():
+        print(f"  {name:8s} {secs:8.3f} s    {t['torch'] / secs:6.2f}x the oracle   {t['batched'] / secs:6.2f}x batched")
 
 
 def main() -> None:
