@@ -93,7 +93,8 @@ def layer_run(args: argparse.Namespace) -> None:
     for name, secs in t.items():
         print(f"  {name:8s} {secs * 1e3:8.3f} ms   {t['torch'] / secs:6.2f}x the oracle   "
               f"{t['batched'] / secs:6.2f}x batched   {floor / secs:6.1%} of the memory floor")
-    print(f"  memory floor {floor * 1e3:.3f} ms: {kv_bytes / 2**20:.1f} MiB of K/V read once, at the rate one sum reads "
+    print(f"  memory floor {floor * 1e3:.3f} ms: {kv_bytes / 2**20:.1f} MiB of K/V ({kv_tokens:,} tokens x {args.hkv} KV "
+          f"heads x {args.head_dim} x {k.element_size()} B, K and V) read once, at the rate one sum reads "
           f"a buffer of that size ({rate / 1e9:.1f} GB/s, measured now, same threads); from DRAM (a 1 GiB sum, "
           f"{dram_rate / 1e9:.1f} GB/s) it would be {kv_bytes / dram_rate * 1e3:.3f} ms")
 
