@@ -149,7 +149,7 @@ MUTATIONS: list[Mutation] = [
              CPP, "          scale_by(&w.acc[lane * d], shrink, d);\n", "",
              ("tests/test_l3_cpp_backend.py::test_online_softmax_rescales_when_a_later_page_holds_the_max",)),
     Mutation("cpp-wrong-request-pages", "page tables", "C++ kernel reads every request's pages from request 0's table",
-             CPP, "idx + kv_start[tile.request]", "idx + kv_start[0]",
+             CPP, "idx + kv_start[tiles[i].request]", "idx + kv_start[0]",
              ("tests/test_l3_cpp_backend.py::test_requests_read_only_their_own_pages",)),
     Mutation("l3-v-gets-k", "layer/KV", "block pool writes K into V",
              "lessons/l3_block_tensor/kv_pool.py", "self.v[layer].view(-1, hkv, d)[slot_mapping] = v",

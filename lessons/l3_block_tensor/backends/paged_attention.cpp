@@ -57,7 +57,7 @@ const float* read_page(const T* page, int64_t tokens, int64_t token_size, std::v
 // Eight floats as one value. GCC and Clang put it in the machine's SIMD registers (AVX, AVX-512, NEON) or,
 // without any, in plain scalar code: the vector loops below are portable, and fast where the CPU allows.
 typedef float f32x8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
+constexpr int64_t kVec = 8;  // floats in one f32x8
 
 inline f32x8 load8(const float* p) {
   f32x8 v;
@@ -76,7 +76,7 @@ inline void scores(const float* q, const float* rows, int64_t n, int64_t stride,
   for (; t + 4 <= n; t += 4) {
     const float *k0 = rows + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
     f32x8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-    for (int64_t i = 0; i < d; i += kLanes) {
+    for (int64_t i = 0; i < d; i += kVec) {
       const f32x8 qi = load8(q + i);
       s0 += qi * load8(k0 + i);
       s1 += qi * load8(k1 + i);
@@ -88,29 +88,29 @@ inline void scores(const float* q, const float* rows, int64_t n, int64_t stride,
   for (; t < n; ++t) {
     const float* k = rows + t * stride;
     f32x8 sum = {};
-    for (int64_t i = 0; i < d; i += kLanes) sum += load8(q + i) * load8(k + i);
+    for (int64_t i = 0; i < d; i += kVec) sum += load8(q + i) * load8(k + i);
     out[t] = sum8(sum);
   }
 }
 
 inline void scale_by(float* x, float c, int64_t d) {
-  for (int64_t i = 0; i < d; i += kLanes) store8(x + i, load8(x + i) * c);
+  for (int64_t i = 0; i < d; i += kVec) store8(x + i, load8(x + i) * c);
 }
 
 // acc += sum over t < n of weights[t] * row t (rows `stride` floats apart), 64 floats of acc at a time held in
 // eight registers across all n rows: updating acc in memory once per row would chain each row behind a store.
 inline void add_weighted(float* acc, const float* weights, const float* rows, int64_t n, int64_t stride, int64_t d) {
   int64_t i0 = 0;
-  for (; i0 + 8 * kLanes <= d; i0 += 8 * kLanes) {
+  for (; i0 + 8 * kVec <= d; i0 += 8 * kVec) {
     f32x8 a[8];
-    for (int c = 0; c < 8; ++c) a[c] = load8(acc + i0 + c * kLanes);
+    for (int c = 0; c < 8; ++c) a[c] = load8(acc + i0 + c * kVec);
     for (int64_t t = 0; t < n; ++t) {
       const float* row = rows + t * stride + i0;
-      for (int c = 0; c < 8; ++c) a[c] += weights[t] * load8(row + c * kLanes);
+      for (int c = 0; c < 8; ++c) a[c] += weights[t] * load8(row + c * kVec);
     }
-    for (int c = 0; c < 8; ++c) store8(acc + i0 + c * kLanes, a[c]);
+    for (int c = 0; c < 8; ++c) store8(acc + i0 + c * kVec, a[c]);
   }
-  for (; i0 < d; i0 += kLanes) {  // a head_dim that is not a multiple of 64
+  for (; i0 < d; i0 += kVec) {  // a head_dim that is not a multiple of 64
     f32x8 a = load8(acc + i0);
     for (int64_t t = 0; t < n; ++t) a += weights[t] * load8(rows + t * stride + i0);
     store8(acc + i0, a);
@@ -241,7 +241,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "page tables must be int32 CPU tensors");
   const Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1)};
   TORCH_CHECK(k_cache.size(3) == sh.d && sh.hq % sh.hkv == 0, "head_dim must match and Hq be a multiple of Hkv");
-  TORCH_CHECK(sh.d % kLanes == 0, "head_dim must be a multiple of ", kLanes, ", got ", sh.d);
+  TORCH_CHECK(sh.d % kVec == 0, "head_dim must be a multiple of ", kVec, ", got ", sh.d);
 
   q = q.contiguous();
   k_cache = k_cache.contiguous();  // the pool is contiguous already: no copy
