@@ -122,9 +122,11 @@ def test_bf16_matches_fp32_oracle(s: int, hq: int, hkv: int, d: int):
 
 
 @needs_kernel
-def test_threads_change_nothing():
-    # Work items (request, KV head, row tile) are independent: any thread count computes the same sums.
-    meta, q, k, v = batch(seed=11, s=16, hq=8, hkv=4, d=64, rows=MIXED)
+@pytest.mark.parametrize("rows", [MIXED, [(401, 1)]], ids=["mixed", "one-decode"])
+def test_threads_change_nothing(rows):
+    # Work items (a request's row tile, with all its KV heads or, when tiles are fewer than threads as for one
+    # decode, a range of them) are independent: any thread count computes the same sums.
+    meta, q, k, v = batch(seed=11, s=16, hq=8, hkv=4, d=64, rows=rows)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -3,9 +3,9 @@
 // a GPU, and it takes exactly their inputs: the CSR page tables (qo_indptr, kv_indptr, kv_indices,
 // kv_last_page_len) and one layer's NHD pool [num_blocks, S, Hkv, D].
 //
-// The loop nest. A work item is one request b and a tile of up to kTileRows of its query rows. A lane is
-// one (query row, query head) pair of the tile: a decode row has Hq lanes, a prefill tile up to kTileRows
-// times as many.
+// The loop nest. A work item is one request b, a tile of up to kTileRows of its query rows and its KV heads
+// (all of them, unless there are more threads than tiles: then a range). A lane is one (query row, query
+// head) pair of the item: a decode row has Hq lanes, a prefill tile up to kTileRows times as many.
 //
 //   for each page p of b                            block id kv_indices[kv_indptr[b] + p]
 //     read its K rows [S, Hkv, D] once              one contiguous block of the pool
@@ -16,7 +16,8 @@
 //     for each lane: accumulator += weights * V
 //   output = accumulator / sum, per lane
 //
-// Work items are independent, so they run in parallel over torch's intra-op threads (one thread: in order).
+// Work items are independent, so they run in parallel over torch's intra-op threads (one thread: in order),
+// over requests and row tiles, and over KV heads when there are fewer tiles than threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,6 +41,7 @@ struct Tile {
   int64_t row_begin, row_end;  // rows of the flat query stream, all of one request
   int64_t first_pos;           // position of the request's first new row: kv_len - (rows it feeds)
   int64_t row0;                // the request's first row in the stream (qo_indptr[request])
+  int64_t kv_begin, kv_end;    // the KV heads this work item attends with, and so their query heads
 };
 
 // One page [S, Hkv, D] as fp32. An fp32 pool is read where it lies. A bf16 or fp16 page is widened into
@@ -138,12 +140,15 @@ struct Scratch {
 template <typename T>
 void attend_tile(const Tile& tile, const Shape& sh, const T* q, const T* k_cache, const T* v_cache,
                  const int32_t* pages, T* out, Scratch& w) {
-  const int64_t rows = tile.row_end - tile.row_begin, lanes = rows * sh.hq, d = sh.d;
+  const int64_t heads = (tile.kv_end - tile.kv_begin) * sh.group;  // query heads of the item's KV heads
+  const int64_t rows = tile.row_end - tile.row_begin, lanes = rows * heads, d = sh.d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  // Lane r * Hq + j: row tile.row_begin + r, query head j, which reads KV head j / group (heads grouped in order).
-  for (int64_t lane = 0; lane < lanes; ++lane) {
-    const T* src = q + (tile.row_begin * sh.hq + lane) * d;
-    for (int64_t i = 0; i < d; ++i) w.q[lane * d + i] = static_cast<float>(src[i]) * scale;  // scaled once
+  // Lane r * heads + j: row tile.row_begin + r, query head h0 + j, which reads KV head (h0 + j) / group:
+  // query heads are grouped by KV head in order.
+  const int64_t h0 = tile.kv_begin * sh.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + ((tile.row_begin + r) * sh.hq + h0) * d;  // the row's heads h0 .. h0 + heads - 1
+    for (int64_t i = 0; i < heads * d; ++i) w.q[r * heads * d + i] = static_cast<float>(src[i]) * scale;
   }
   std::fill(w.acc.begin(), w.acc.begin() + lanes * d, 0.f);
   std::fill(w.row_sum.begin(), w.row_sum.begin() + lanes, 0.f);
@@ -161,9 +166,9 @@ void attend_tile(const Tile& tile, const Shape& sh, const T* q, const T* k_cache
       const int64_t row_keys = tile.first_pos + (tile.row_begin + r - tile.row0) + 1;
       const int64_t n = w.visible[r] = std::clamp<int64_t>(row_keys - page_start, 0, page_tokens);
       if (n == 0) continue;  // an early prefill row: this whole page is in its future
-      for (int64_t j = 0; j < sh.hq; ++j) {
-        const int64_t lane = r * sh.hq + j;
-        const float* k_head = k + (j / sh.group) * d;  // token t's row of this lane's KV head: + t * token_size
+      for (int64_t j = 0; j < heads; ++j) {
+        const int64_t lane = r * heads + j;
+        const float* k_head = k + ((h0 + j) / sh.group) * d;  // token t's row of the lane's KV head: + t * token_size
         float* s = &w.weights[lane * sh.s];
         scores(&w.q[lane * d], k_head, n, token_size, d, s);
         const float page_max = *std::max_element(s, s + n);
@@ -185,23 +190,25 @@ void attend_tile(const Tile& tile, const Shape& sh, const T* q, const T* k_cache
 
     const float* v = read_page(v_cache + page_offset, page_tokens, token_size, w.v_buf);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < sh.hq; ++j) {
-        const int64_t lane = r * sh.hq + j;
-        add_weighted(&w.acc[lane * d], &w.weights[lane * sh.s], v + (j / sh.group) * d, w.visible[r], token_size, d);
+      for (int64_t j = 0; j < heads; ++j) {
+        const int64_t lane = r * heads + j;
+        add_weighted(&w.acc[lane * d], &w.weights[lane * sh.s], v + ((h0 + j) / sh.group) * d, w.visible[r],
+                     token_size, d);
       }
   }
 
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const float inv = 1.0f / w.row_sum[lane];  // never 0: every row sees at least its own key
-    T* dst = out + (tile.row_begin * sh.hq + lane) * d;
+    T* dst = out + ((tile.row_begin + lane / heads) * sh.hq + h0 + lane % heads) * d;
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(w.acc[lane * d + i] * inv);
   }
 }
 
-// The step's tiles: each request's rows cut into runs of at most kTileRows. Checks the page tables on the
-// way, so a bad table is an error here, not a read outside the pool.
+// The step's work items: each request's rows cut into tiles of at most kTileRows. Checks the page tables on
+// the way, so a bad table is an error here, not a read outside the pool.
 std::vector<Tile> make_tiles(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                             const at::Tensor& last_page_len, int64_t s, int64_t num_blocks, int64_t num_rows) {
+                             const at::Tensor& last_page_len, int64_t s, int64_t hkv, int64_t num_blocks,
+                             int64_t num_rows) {
   const int64_t batch = last_page_len.numel();
   TORCH_CHECK(qo_indptr.numel() == batch + 1 && kv_indptr.numel() == batch + 1,
               "qo_indptr and kv_indptr need batch + 1 entries");
@@ -221,9 +228,19 @@ std::vector<Tile> make_tiles(const at::Tensor& qo_indptr, const at::Tensor& kv_i
     for (int64_t j = kv[b]; j < kv[b + 1]; ++j)
       TORCH_CHECK(idx[j] >= 0 && idx[j] < num_blocks, "request ", b, " names block ", idx[j], " of ", num_blocks);
     for (int64_t r = qo[b]; r < qo[b + 1]; r += kTileRows)
-      tiles.push_back({b, r, std::min<int64_t>(r + kTileRows, qo[b + 1]), kv_len - n_q, qo[b]});
+      tiles.push_back({b, r, std::min<int64_t>(r + kTileRows, qo[b + 1]), kv_len - n_q, qo[b], 0, 0});
   }
-  return tiles;
+  // Fewer tiles than threads (one long decode, say): split each tile's KV heads into chunks, so every thread
+  // gets work. With enough tiles, or one thread, an item keeps all heads and reads each page once.
+  const int64_t chunks = std::clamp<int64_t>(at::get_num_threads() / std::max<int64_t>(tiles.size(), 1), 1, hkv);
+  std::vector<Tile> items;
+  for (const Tile& t : tiles)
+    for (int64_t c = 0; c < chunks; ++c) {
+      items.push_back(t);
+      items.back().kv_begin = c * hkv / chunks;
+      items.back().kv_end = (c + 1) * hkv / chunks;
+    }
+  return items;
 }
 
 }  // namespace
@@ -248,7 +265,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   v_cache = v_cache.contiguous();
   const at::Tensor kv_ptr = kv_indptr.contiguous(), kv_idx = kv_indices.contiguous();
   const std::vector<Tile> tiles = make_tiles(qo_indptr.contiguous(), kv_ptr, kv_idx, kv_last_page_len.contiguous(),
-                                             sh.s, k_cache.size(0), q.size(0));
+                                             sh.s, sh.hkv, k_cache.size(0), q.size(0));
   const int32_t* kv_start = kv_ptr.data_ptr<int32_t>();
   at::Tensor out = at::empty_like(q);
 
