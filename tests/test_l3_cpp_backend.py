@@ -183,6 +183,24 @@ def test_where_it_cannot_build_auto_says_why_once_and_takes_batched(tiny_model, 
         make_backend("cpp", tiny_model.config, torch.float32, CPU)
 
 
+def test_a_build_that_fails_is_one_line_after_trying_both_flag_sets(monkeypatch, tmp_path, capsys):
+    from torch.utils import cpp_extension
+
+    tried = []
+
+    def fail(name, sources, extra_cflags, **kwargs):
+        tried.append(extra_cflags)
+        raise subprocess.CalledProcessError(1, ["c++", "--version"])  # what a broken compiler gives cpp_extension
+
+    monkeypatch.setattr(cpp_backend, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^the C\+\+ kernel did not build \(Command .* returned "
+                                                             r"non-zero exit status 1\.\)$"):
+        cpp_backend._build_and_load()
+    assert tried == [list(f) for f in cpp_backend.FLAGS]  # -march=native first, then the portable build
+    assert "building the C++ paged-attention kernel" in capsys.readouterr().err
+
+
 def test_smoke_without_a_compiler():
     """A machine with no C++ compiler: --backend cpp is one line and exit 2; auto runs on batched, and says so."""
     env = {**os.environ, "CXX": "no-such-compiler", "OMP_NUM_THREADS": "1"}

@@ -85,7 +85,7 @@ def _build_and_load() -> ModuleType:
                 warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises below
                 return cpp_extension.load(MODULE, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                           build_directory=str(folder), verbose=False)
-        except (RuntimeError, OSError, ImportError) as e:
+        except Exception as e:  # a compiler that fails its version check, a compile error, a module that won't load
             error = _first_error(str(e))
     raise KernelUnavailable(f"the C++ kernel did not build ({error})")
 
