@@ -20,15 +20,16 @@ BANNER = re.compile(r"^serving (\S+) at (http://\S+/v1)$")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], threads: int = 1, startup_timeout: float = 180.0):
+    def __init__(self, args: list[str], threads: int = 1, startup_timeout: float = 180.0, serve: Path = SERVE):
         self.args, self.threads, self.startup_timeout = args, threads, startup_timeout
+        self.serve = serve  # another tree's serve.py (a benchmark's "before" server), else this tree's
         self.proc: subprocess.Popen | None = None
         self.url = self.model = ""
         self.log = tempfile.TemporaryFile(mode="w+")  # stderr: read back only to explain a failure
 
     def start(self) -> "ServerProcess":
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, str(SERVE), "--port", "0", "--threads", str(self.threads), *self.args]
+        cmd = [sys.executable, str(self.serve), "--port", "0", "--threads", str(self.threads), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         atexit.register(self.kill)  # a caller that dies before stop() must not leave a server behind
         lines: list[str] = []
