@@ -9,13 +9,13 @@
 - The split model against Qwen3ForCausalLM: at tp 1 (TpGroup(0, 1): no collectives) its logits are
   identical; at tp 2 and tp 4 (KV heads replicated) with every rank in a thread of this process, joined by
   an in-memory group, they agree to fp32 rounding and pick the same token at every position.
-- SentSlice: only the tokens after num_cached are pickled; what the runner reads survives the trip.
+- SentSlice: only the tokens after num_cached travel (wire.py's tensors); what the runner reads survives the trip.
 - DeferredCopyManager: copy-on-write records (src, dst) and leaves the pool alone; an L10Engine at tp 1
   (one rank: rank 0 makes the deferred copies itself) forks seeded samples exactly as L8 does.
 """
 from __future__ import annotations
 
-import pickle
+import contextlib
 import threading
 from dataclasses import replace
 
@@ -39,7 +39,7 @@ from lessons.l10_tensor_parallel.layers import (ColumnParallelLinear, RowParalle
                                                 VocabParallelLMHead)
 from lessons.l10_tensor_parallel.layout import TpLayout, check_tp
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM
-from lessons.l10_tensor_parallel.runner import SentSlice
+from lessons.l10_tensor_parallel.wire import SentSlice, pack, unpack
 from shared.attention import causal_attention
 from shared.checkpoint import tensor_shapes
 from shared.config import Qwen3Config
@@ -310,8 +310,8 @@ class ThreadRank:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def lead(self, *message) -> None:
-        pass  # every thread makes every call itself
+    def lead(self, *message) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # every thread makes every call itself
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
         s = self.shared
@@ -380,30 +380,35 @@ def test_split_model_in_threads_agrees_with_the_whole_model(tiny_model, tiny_dir
 
 
 def sent(history: int, new: int, blocks: list[int] | None = None) -> SentSlice:
-    # History ids and new ids from fixed ranges (all two-byte ints in a pickle): the new tokens are the same
-    # whatever the history, so any size difference is the history's.
+    # The new tokens are the same whatever the history, so any size difference is the history's.
     seq = Sequence(list(range(300, 300 + history)) + list(range(20000, 20000 + new)), 16, seq_id=3)
     seq.blocks = blocks if blocks is not None else list(range(40, 40 + -(-(history + new) // 16)))
     seq.num_cached = history
     return SentSlice.of(Slice.of(seq, new, decode=new == 1))
 
 
-def test_sent_slice_pickles_only_the_tokens_it_feeds():
+def trip(slices: list[SentSlice]) -> list[SentSlice]:
+    kind, got, copies = unpack(*pack("run_step", slices, []))
+    assert (kind, copies) == ("run_step", [])
+    return got
+
+
+def test_sent_slice_sends_only_the_tokens_it_feeds():
     blocks = list(range(100, 420))  # one table for every size below: only the token count varies
-    size = {(h, n): len(pickle.dumps(sent(h, n, blocks))) for h in (10, 5000) for n in (1, 5, 500)}
+    size = {(h, n): pack("run_step", [sent(h, n, blocks)], [])[1].numel() for h in (10, 5000) for n in (1, 5, 500)}
     for n in (1, 5, 500):
-        assert abs(size[(5000, n)] - size[(10, n)]) <= 8, "the history must not travel"  # an int's width at most
-    assert size[(10, 500)] - size[(10, 5)] >= 495  # each new token costs at least a byte
+        assert size[(5000, n)] == size[(10, n)], "the history must not travel"
+    assert size[(10, 500)] - size[(10, 5)] == 495  # one int64 per new token
     s = sent(5000, 5)
     before = list(s.prompt_ids)
-    pickle.dumps(s)
-    assert s.prompt_ids == before, "pickling must not cut the sender's own copy"
+    pack("run_step", [s], [])
+    assert s.prompt_ids == before, "sending must not cut the sender's own copy"
 
 
 @pytest.mark.parametrize("history,new", [(0, 12), (20, 1), (35, 9), (48, 16)])
 def test_sent_slice_round_trip_keeps_what_the_runner_reads(history, new):
     s = sent(history, new)
-    got = pickle.loads(pickle.dumps(s))
+    [got] = trip([s])
     assert (got.block_size, got.blocks, got.num_cached, got.num_tokens, got.decode, got.samples) == \
            (s.block_size, s.blocks, s.num_cached, s.num_tokens, new == 1, True)
     assert got.prompt_ids[got.num_cached:] == s.prompt_ids[s.num_cached:]  # the tokens this step feeds
@@ -412,7 +417,7 @@ def test_sent_slice_round_trip_keeps_what_the_runner_reads(history, new):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     # A slice that stops inside its prompt does not sample; the flag travels.
     seq = Sequence(list(range(30)), 16, seq_id=1, blocks=[5, 6])
-    mid = pickle.loads(pickle.dumps(SentSlice.of(Slice.of(seq, 10))))
+    [mid] = trip([SentSlice.of(Slice.of(seq, 10))])
     assert (mid.samples, mid.decode, mid.num_tokens, mid.num_cached) == (False, False, 10, 0)
 
 

@@ -5,22 +5,32 @@ Two process groups over the same ranks:
            NCCL on CUDA, gloo on CPU. Bounded by the timeout: inside a step every rank runs the same
            forward, so a wait that long means a rank died or hung.
   control  rank 0's instructions to the others (load this model, build this runner, run this step, stop):
-           pickled Python objects, so always gloo, on the host. Rank 0's sends are bounded by the same
-           timeout; a follower's wait is unbounded in practice: between steps it waits for as long as the
-           server has nothing to do.
-A rank that exits closes its sockets, so the others' next collective fails at once, not at the timeout.
+           int64 tensors in a fixed schema (wire.py), never pickle, so always gloo, on the host. Rank 0's
+           sends are bounded by the same timeout; a follower's wait is unbounded in practice: between steps
+           it waits for as long as the server has nothing to do.
+Every collective is issued with async_op=True and waited for with the timeout (Work.wait(timeout)): gloo
+enforces its group timeout itself, NCCL does not (a CUDA collective returns before it ran), so this wait is
+what bounds a step on both. A rank that exits closes its sockets, so the others' next collective fails at
+once, not at the timeout.
+
+Rank 0 holds a lock for each call it leads (a step: its send and its collectives), and close() takes it:
+the engine thread may still be in a step when the server shuts down, and two collectives at once on the
+same ranks would interleave their messages.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from lessons.l10_tensor_parallel import wire
 from shared.errors import RunFailure
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -38,6 +48,8 @@ class TpGroup:
     on_close: list = field(default_factory=list)  # rank 0: what close() also does (join the follower processes)
     calls: Counter = field(default_factory=Counter)  # collective -> times this rank made it
     seconds: Counter = field(default_factory=Counter)  # collective -> seconds this rank spent in it (waits included)
+    closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # rank 0: held by a call it leads
 
     @property
     def leader(self) -> bool:
@@ -57,41 +69,87 @@ class TpGroup:
         self._collective("gather", dist.gather, x.contiguous(), parts, dst=0, group=self.compute)
         return torch.cat(parts, dim=-1) if self.leader else None
 
-    def lead(self, *message: Any) -> None:
-        """Rank 0: send every follower the call it is about to make itself. Elsewhere: nothing (they are
-        making this call because rank 0's message told them to)."""
-        if self.leader and self.size > 1:
-            self._collective("broadcast", dist.broadcast_object_list, [message], src=0, group=self.control)
+    def lead(self, kind: str, *args: Any) -> Iterator[None]:
+        """Rank 0: send every follower the call it is about to make itself, and hold the group while it makes
+        it (`with group.lead(...): ...`). Elsewhere: nothing to send (the followers make this call because
+        rank 0's message told them to)."""
+        return self._leading(kind, args) if self.leader else _nothing()
+
+    @contextmanager
+    def _leading(self, kind: str, args: tuple) -> Iterator[None]:
+        with self._lock:
+            if self.closed:
+                raise RunFailure(f"tensor-parallel rank 0 of {self.size}: {kind} after the group was closed")
+            if self.size > 1:
+                self._send(kind, *args)
+            yield
 
     def receive(self) -> tuple | None:
-        """A follower: wait for rank 0's next message (None: stop)."""
-        box: list[Any] = [None]
-        self._collective("receive", dist.broadcast_object_list, box, src=0, group=self.control)
-        return box[0]
+        """A follower: wait for rank 0's next message, (kind, *args) (None: stop). A message that does not
+        follow its schema is a RunFailure naming what is wrong."""
+        header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
+        self._collective("receive", dist.broadcast, header, src=0, group=self.control, bounded=False)
+        try:
+            payload = torch.zeros(wire.payload_len(header), dtype=torch.int64)
+            if payload.numel():
+                self._collective("receive", dist.broadcast, payload, src=0, group=self.control, bounded=False)
+            message = wire.unpack(header, payload)
+        except wire.Malformed as e:
+            raise RunFailure(f"tensor-parallel rank {self.rank} of {self.size}: malformed control message "
+                             f"from rank 0 ({e})") from None
+        return None if message[0] == "stop" else message
 
     def close(self) -> None:
-        """Rank 0: tell the followers to stop (if they can still hear it), then release everything."""
-        if self.leader and self.size > 1 and self.control is not None:
-            try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
-            except RuntimeError:
-                pass  # a follower is gone already; on_close ends the rest
-        if self.compute is not None and dist.is_initialized():
-            dist.destroy_process_group()
-            self.compute = self.control = None
+        """Rank 0: tell the followers to stop (if they can still hear it), then release everything. A call
+        still in flight on another thread (the engine's step) is waited for up to the timeout, which bounds
+        each of its collectives; past that the groups are left alone (on_close ends the followers)."""
+        idle = self._lock.acquire(timeout=self.timeout_s)
+        try:
+            if idle and not self.closed:
+                if self.leader and self.size > 1 and self.control is not None:
+                    try:
+                        self._send("stop")
+                    except RunFailure:
+                        pass  # a follower is gone already; on_close ends the rest
+                if self.compute is not None and dist.is_initialized():
+                    dist.destroy_process_group()
+                    self.compute = self.control = None
+            self.closed = True
+        finally:
+            if idle:
+                self._lock.release()
         for action in self.on_close:
             action()
         self.on_close.clear()
 
-    def _collective(self, what: str, fn, *args, **kwargs) -> None:
+    def _send(self, kind: str, *args: Any) -> None:
+        header, payload = wire.pack(kind, *args)
+        self._collective("broadcast", dist.broadcast, header, src=0, group=self.control)
+        if payload.numel():
+            self._collective("broadcast", dist.broadcast, payload, src=0, group=self.control)
+
+    def _collective(self, what: str, fn, *args, bounded: bool = True, **kwargs) -> None:
+        """fn(*args, **kwargs) as async work, waited for up to the timeout (bounded) or for as long as it takes."""
         t0 = time.perf_counter()
         try:
-            fn(*args, **kwargs)
+            work = fn(*args, async_op=True, **kwargs)
+            # A CUDA graph being captured cannot wait on the host: its collectives are bounded at replay by
+            # NCCL's own watchdog (the group's timeout), not here.
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if bounded and not capturing:
+                work.wait(timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()
         except RuntimeError as e:  # gloo and NCCL report a lost peer and a timeout alike, as RuntimeError
             raise RunFailure(f"tensor-parallel rank {self.rank} of {self.size}: {what} failed ({_reason(e)}); "
                              f"another rank exited or hung longer than the {self.timeout_s:g} s timeout") from None
         self.calls[what] += 1
         self.seconds[what] += time.perf_counter() - t0
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _reason(e: Exception) -> str:

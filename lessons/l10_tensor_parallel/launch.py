@@ -3,16 +3,26 @@
     python scripts/l10_smoke.py --tp 2                       # rank 0 spawns rank 1 (torch.multiprocessing)
     torchrun --nproc-per-node 2 scripts/l10_smoke.py --tp 2  # torchrun starts both; rank 1 only follows
 
-Either way the ranks meet at one TCPStore: rank 0 writes the device type there, and every rank joins the
-same two process groups (group.py). Under torchrun the followers run the same script: `follow_if_torchrun`
-at its top sends them into the follower loop before they parse a single option.
+Spawned ranks meet at a FileStore in a private folder (mode 0700, removed at close) and their gloo sockets
+are bound to the loopback interface: nobody else on the machine can reach the store, and no other machine
+can reach the ranks. (A TCPStore listens on every interface, unauthenticated, whatever host it is given.)
+Under torchrun the ranks may be on several machines: they meet at torchrun's TCPStore, and the network
+between them must be trusted, as torch.distributed itself requires. Either way rank 0 writes the device
+type to the store, and every rank joins the same two process groups (group.py). Under torchrun the
+followers run the same script: `follow_if_torchrun` at its top sends them into the follower loop before
+they parse a single option.
 """
 from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
+import tempfile
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,7 +31,7 @@ import torch.multiprocessing as mp
 from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S, IDLE_TIMEOUT, TpGroup
 from shared.errors import CourseError, RunFailure
 
-HOST = "127.0.0.1"  # spawned ranks share one machine; torchrun brings its own MASTER_ADDR
+LOOPBACK = "lo"  # the interface spawned ranks' gloo sockets bind to (they share one machine)
 # Waiting for the ranks to start (a fresh interpreter imports torch: seconds), apart from the step timeout,
 # which may be short: a rank that is still starting has not hung.
 STARTUP_TIMEOUT = timedelta(seconds=120)
@@ -42,19 +52,24 @@ def start(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -
         return _join(0, tp, _torchrun_store(0, tp), timeout_s, device.type)
     if tp == 1:
         return TpGroup(0, 1, device, timeout_s)  # nothing to talk to: every collective is a no-op
-    store = dist.TCPStore(HOST, 0, tp, is_master=True, wait_for_workers=False, timeout=STARTUP_TIMEOUT)
+    if device.type == "cuda":  # NCCL reads it when its communicator starts, at the first collective: kept set
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK)  # its bootstrap sockets (by reading; no GPUs here)
+    folder = Path(tempfile.mkdtemp(prefix="l10-tp-"))  # mode 0700: this user's processes only
+    store_path = str(folder / "store")
     spawn = mp.get_context("spawn")  # a fresh interpreter per rank: fork would copy torch's threads and CUDA state
     followers = [spawn.Process(target=_spawned_follower, daemon=True, name=f"tp-rank-{rank}",
-                               args=(rank, tp, store.port, torch.get_num_threads()))
+                               args=(rank, tp, store_path, torch.get_num_threads()))
                  for rank in range(1, tp)]
     for p in followers:
         p.start()
     try:
-        group = _join(0, tp, store, timeout_s, device.type)
+        with _gloo_on(LOOPBACK):
+            group = _join(0, tp, _file_store(store_path, tp), timeout_s, device.type)
     except RunFailure:
         _stop(followers)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
-    group.on_close.append(lambda: _stop(followers))
+    group.on_close += [lambda: _stop(followers), lambda: shutil.rmtree(folder, ignore_errors=True)]
     atexit.register(group.close)  # however rank 0 ends, its followers do not outlive it
     return group
 
@@ -73,9 +88,31 @@ def follow_if_torchrun() -> None:
     _follow(rank, lambda: _torchrun_store(rank, world), world)
 
 
-def _spawned_follower(rank: int, size: int, port: int, threads: int) -> None:
+def _spawned_follower(rank: int, size: int, store_path: str, threads: int) -> None:
     torch.set_num_threads(threads)  # the same as rank 0's: the ranks' steps should take the same time
-    _follow(rank, lambda: dist.TCPStore(HOST, port, size, is_master=False, timeout=STARTUP_TIMEOUT), size)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK  # it exists only to be this rank
+    _follow(rank, lambda: _file_store(store_path, size), size)
+
+
+def _file_store(path: str, size: int) -> dist.FileStore:
+    store = dist.FileStore(path, size)
+    store.set_timeout(STARTUP_TIMEOUT)  # a rank that never comes is an error in minutes, not a hang
+    return store
+
+
+@contextmanager
+def _gloo_on(interface: str) -> Iterator[None]:
+    """gloo binds the sockets of the groups created here to `interface` (it reads GLOO_SOCKET_IFNAME when a
+    group is created); rank 0 is the user's process, so its environment is restored afterwards."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
 
 
 def _follow(rank: int, make_store, size: int) -> None:

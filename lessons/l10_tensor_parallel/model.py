@@ -46,13 +46,13 @@ class TpQwen3ForCausalLM(Qwen3ForCausalLM):
         """This rank's part, read from the same HF checkpoint as the whole model: only its slices are read."""
         cfg = Qwen3Config.from_dir(model_dir)
         layout = TpLayout.of(cfg, group.rank, group.size)  # a --tp this model cannot split fails here, on rank 0
-        group.lead("load", str(model_dir), str(dtype).removeprefix("torch."))  # the followers load their parts
-        with torch.device("meta"):
-            model, whole = cls(cfg, layout, group), Qwen3ForCausalLM(cfg)
-        check_shapes(whole, cfg, model_dir)  # the checkpoint against the whole model, from headers only
-        state = load_state_dict(model_dir, dtype, group.device, layout.slice_of)
-        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the same vocabulary rows
-        model.load_state_dict({k: state[k] for k in model.state_dict()}, assign=True, strict=True)
-        model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(group.device)
-        return model.eval()
+        with group.lead("load", str(model_dir), str(dtype).removeprefix("torch.")):  # the followers load theirs
+            with torch.device("meta"):
+                model, whole = cls(cfg, layout, group), Qwen3ForCausalLM(cfg)
+            check_shapes(whole, cfg, model_dir)  # the checkpoint against the whole model, from headers only
+            state = load_state_dict(model_dir, dtype, group.device, layout.slice_of)
+            if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the same vocabulary rows
+            model.load_state_dict({k: state[k] for k in model.state_dict()}, assign=True, strict=True)
+            model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(group.device)
+            return model.eval()

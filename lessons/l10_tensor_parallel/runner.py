@@ -3,11 +3,10 @@
 Each call that builds or runs something (the runner itself, the graph capture, a step) is first sent
 to the followers (`lead`), so every rank makes the same calls in the same order: the same block ids,
 the same padded sizes, the same collectives. A step travels as its slices, trimmed to what a follower
-needs, plus the copy-on-write copies the scheduler made since the last step.
+needs (wire.py: their numbers, block tables and new tokens), plus the copy-on-write copies the scheduler
+made since the last step.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -17,42 +16,21 @@ from lessons.l8_chunked_prefill.slice import Slice
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM
 
 
-@dataclass(eq=False)
-class SentSlice(Request):
-    """A slice as the followers get it: its block table, where its new tokens start, and those tokens."""
-
-    decode: bool = False
-    samples: bool = False
-
-    @classmethod
-    def of(cls, s: Slice) -> "SentSlice":
-        return cls(s.prompt_ids, s.block_size, blocks=s.blocks, num_cached=s.num_cached, decode=s.decode,
-                   samples=s.samples)
-
-    def __getstate__(self) -> dict:
-        # The tokens before num_cached are in every rank's pool already; only the ones this step feeds travel.
-        return {**self.__dict__, "prompt_ids": self.prompt_ids[self.num_cached:]}
-
-    def __setstate__(self, state: dict) -> None:
-        state["prompt_ids"] = [0] * state["num_cached"] + state["prompt_ids"]  # placeholders, never read
-        self.__dict__.update(state)
-
-
 class TpRunner(ChunkedRunner):
     def __init__(self, model: TpQwen3ForCausalLM, block_size: int, num_blocks: int, backend: str = "auto"):
         self.tp = model.tp
-        self.tp.lead("build_runner", block_size, num_blocks, backend)
-        super().__init__(model, block_size, num_blocks, backend)  # a pool of this rank's KV heads only
+        with self.tp.lead("build_runner", block_size, num_blocks, backend):
+            super().__init__(model, block_size, num_blocks, backend)  # a pool of this rank's KV heads only
 
     def capture(self, sizes: list[int], dummy_block: int) -> None:
-        self.tp.lead("capture", sizes, dummy_block)
-        super().capture(sizes, dummy_block)
+        with self.tp.lead("capture", sizes, dummy_block):
+            super().capture(sizes, dummy_block)
 
     def forward(self, slices: list[Slice]) -> torch.Tensor:
         """Rank 0, from the engine's step: send the step, then run it. Logits [slices that sample, vocab]."""
         copies = self.allocator.take_copies()  # the ref-counted manager's copy-on-write, not yet made
-        self.tp.lead("run_step", [SentSlice.of(s) for s in slices], copies)
-        return self.run_step(slices, copies)
+        with self.tp.lead("run_step", slices, copies):  # close() waits for the step's collectives to end
+            return self.run_step(slices, copies)
 
     def run_step(self, slices: list[Request], copies: list[tuple[int, int]]) -> torch.Tensor | None:
         """Every rank: the deferred copies first (this step may write into a copy), then L8's step."""

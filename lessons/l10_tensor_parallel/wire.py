@@ -1,0 +1,156 @@
+"""Rank 0's messages to the followers, as int64 tensors in a fixed schema. Nothing on the wire is unpickled.
+
+A message is a kind and its arguments (the call rank 0 is about to make). On the wire it is two tensors:
+  header   HEADER_LEN int64s: [MAGIC, kind's index in KINDS, payload length]
+  payload  the arguments as fields, each its length then its values (strings as UTF-8 bytes); sent only
+           when not empty
+Each kind has one schema (`pack` writes it, `unpack` checks it field by field), so a follower turns
+whatever arrives into integers, strings and SentSlices, or into one line naming what is wrong: a message
+can never make a follower run code, as a pickle can.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lessons.l2_token_flat.request import Request
+from lessons.l8_chunked_prefill.slice import Slice
+
+KINDS = ("stop", "load", "build_runner", "capture", "run_step")
+MAGIC = 0x4C3130  # "L10": a header that does not start with it was not written by pack
+HEADER_LEN = 3
+MAX_PAYLOAD = 1 << 28  # int64s; far above any step (a step sends its new tokens and block tables only)
+
+
+class Malformed(ValueError):
+    """A message that does not follow its kind's schema."""
+
+
+@dataclass(eq=False)
+class SentSlice(Request):
+    """A slice as the followers get it: its block table, where its new tokens start, and those tokens."""
+
+    decode: bool = False
+    samples: bool = False
+
+    @classmethod
+    def of(cls, s: Slice) -> "SentSlice":
+        return cls(s.prompt_ids, s.block_size, blocks=s.blocks, num_cached=s.num_cached, decode=s.decode,
+                   samples=s.samples)
+
+
+def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of the call `kind(*args)`."""
+    fields: list[list[int]]
+    if kind == "stop":
+        fields = []
+    elif kind == "load":  # (model_dir, dtype name)
+        fields = [_text(args[0]), _text(args[1])]
+    elif kind == "build_runner":  # (block_size, num_blocks, backend)
+        fields = [[args[0], args[1]], _text(args[2])]
+    elif kind == "capture":  # (sizes, dummy_block)
+        fields = [list(args[0]), [args[1]]]
+    elif kind == "run_step":  # (slices, copies): per slice, its numbers, its block table, the tokens it feeds
+        slices, copies = args
+        fields = [[v for pair in copies for v in pair]]
+        for s in slices:
+            # The tokens before num_cached are in every rank's pool already; only the ones this step feeds travel.
+            fields += [[s.block_size, s.num_cached, int(s.decode), int(s.samples)], list(s.blocks),
+                       list(s.prompt_ids[s.num_cached:])]
+    else:
+        raise ValueError(f"no schema for message kind {kind!r}")
+    payload = [v for f in fields for v in (len(f), *f)]
+    return torch.tensor([MAGIC, KINDS.index(kind), len(payload)]), torch.tensor(payload, dtype=torch.int64)
+
+
+def payload_len(header: torch.Tensor) -> int:
+    """How many int64s follow this header. Raises Malformed for a header pack did not write."""
+    if header.dtype != torch.int64 or header.shape != (HEADER_LEN,):
+        raise Malformed(f"a header must be {HEADER_LEN} int64s, got {header.dtype} {tuple(header.shape)}")
+    magic, kind, length = header.tolist()
+    if magic != MAGIC:
+        raise Malformed(f"bad magic {magic:#x}")
+    if not 0 <= kind < len(KINDS):
+        raise Malformed(f"unknown kind {kind}")
+    if not 0 <= length <= MAX_PAYLOAD:
+        raise Malformed(f"payload length {length} outside 0..{MAX_PAYLOAD}")
+    return length
+
+
+def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
+    """(kind, *args), as pack was given them (slices as SentSlices). Raises Malformed naming what is wrong."""
+    length = payload_len(header)
+    if payload.dtype != torch.int64 or payload.shape != (length,):
+        raise Malformed(f"the header says {length} int64s, the payload is {payload.dtype} {tuple(payload.shape)}")
+    kind = KINDS[int(header[1])]
+    fields = _fields(payload.tolist())
+    if kind == "stop":
+        _count(kind, fields, 0)
+        return (kind,)
+    if kind == "load":
+        _count(kind, fields, 2)
+        return kind, _str(fields[0]), _str(fields[1])
+    if kind == "build_runner":
+        _count(kind, fields, 2)
+        block_size, num_blocks = _ints(fields[0], 2, "block_size, num_blocks", least=1)
+        return kind, block_size, num_blocks, _str(fields[1])
+    if kind == "capture":
+        _count(kind, fields, 2)
+        return kind, _ints(fields[0], None, "sizes", least=1), _ints(fields[1], 1, "dummy_block")[0]
+    if (len(fields) - 1) % 3:
+        raise Malformed(f"run_step: {len(fields)} fields, not 1 + 3 per slice")
+    flat = _ints(fields[0], None, "copies")
+    if len(flat) % 2:
+        raise Malformed(f"run_step: {len(flat)} copy ids, not (src, dst) pairs")
+    copies = list(zip(flat[::2], flat[1::2]))
+    slices = []
+    for numbers, blocks, tokens in zip(fields[1::3], fields[2::3], fields[3::3]):
+        block_size, num_cached, decode, samples = _ints(numbers, 4, "a slice's numbers")
+        if block_size < 1 or decode > 1 or samples > 1 or not tokens:
+            raise Malformed(f"run_step: a slice's numbers {numbers} (block size >= 1, flags 0 or 1, tokens >= 1)")
+        blocks, tokens = _ints(blocks, None, "a block table"), _ints(tokens, None, "a slice's tokens")
+        if len(blocks) * block_size < num_cached + len(tokens):
+            raise Malformed(f"run_step: {len(blocks)} block(s) of {block_size} hold fewer than "
+                            f"{num_cached + len(tokens)} tokens")
+        # Placeholders for the cached tokens (never read: their K/V is in the pool), then the ones fed now.
+        slices.append(SentSlice([0] * num_cached + tokens, block_size, blocks=blocks, num_cached=num_cached,
+                                decode=bool(decode), samples=bool(samples)))
+    return kind, slices, copies
+
+
+def _text(s: str) -> list[int]:
+    return list(s.encode())
+
+
+def _fields(payload: list[int]) -> list[list[int]]:
+    fields, at = [], 0
+    while at < len(payload):
+        n = payload[at]
+        if not 0 <= n <= len(payload) - at - 1:
+            raise Malformed(f"a field of length {n} at offset {at} overruns the payload ({len(payload)})")
+        fields.append(payload[at + 1:at + 1 + n])
+        at += 1 + n
+    return fields
+
+
+def _count(kind: str, fields: list, want: int) -> None:
+    if len(fields) != want:
+        raise Malformed(f"{kind}: {len(fields)} fields, not {want}")
+
+
+def _ints(values: list[int], count: int | None, what: str, least: int = 0) -> list[int]:
+    if count is not None and len(values) != count:
+        raise Malformed(f"{what}: {len(values)} values, not {count}")
+    if any(v < least for v in values):
+        raise Malformed(f"{what}: {values[:8]} has a value below {least}")
+    return values
+
+
+def _str(values: list[int]) -> str:
+    if any(not 0 <= v < 256 for v in values):
+        raise Malformed("a string's bytes outside 0..255")
+    try:
+        return bytes(values).decode()
+    except UnicodeDecodeError as e:
+        raise Malformed(f"a string that is not UTF-8 ({e.reason})") from None
