@@ -256,9 +256,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
               "q, k_cache and v_cache must share a dtype");
   for (const at::Tensor* t : {&qo_indptr, &kv_indptr, &kv_indices, &kv_last_page_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "page tables must be int32 CPU tensors");
-  const Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1)};
-  TORCH_CHECK(k_cache.size(3) == sh.d && sh.hq % sh.hkv == 0, "head_dim must match and Hq be a multiple of Hkv");
-  TORCH_CHECK(sh.d % kVec == 0, "head_dim must be a multiple of ", kVec, ", got ", sh.d);
+  // Every size is checked before the first division by one: a pool with no KV heads is an error, not a
+  // division by zero that kills the process.
+  const int64_t hq = q.size(1), hkv = k_cache.size(2), d = q.size(2), s = k_cache.size(1);
+  TORCH_CHECK(hkv >= 1 && hq >= 1 && hq % hkv == 0, "Hq (", hq, ") must be a positive multiple of Hkv (", hkv, ")");
+  TORCH_CHECK(k_cache.size(3) == d, "head_dim: q has ", d, ", the pool ", k_cache.size(3));
+  TORCH_CHECK(d >= kVec && d % kVec == 0, "head_dim must be a positive multiple of ", kVec, ", got ", d);
+  TORCH_CHECK(s >= 1, "block size must be at least 1, got ", s);
+  const Shape sh{hq, hkv, hq / hkv, d, s};
 
   q = q.contiguous();
   k_cache = k_cache.contiguous();  // the pool is contiguous already: no copy
@@ -284,6 +289,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   return out;
 }
 
+// The call releases the GIL: it touches no Python object, and a long one (64 rows over a 32k history: most of
+// a second) would otherwise stop every other Python thread, a server's event loop included. Its arguments are
+// converted before the release and its result after; an error reacquires the GIL and is raised as RuntimeError.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block-tensor pool, read in place");
+  m.def("paged_attention", &paged_attention, "paged attention over a block-tensor pool, read in place",
+        py::call_guard<py::gil_scoped_release>());
 }
