@@ -1,0 +1,319 @@
+"""L9's server under hostile load (issue 27): does GET /health stay quick, and do streams keep flowing, while
+huge and malformed requests arrive? Optionally against an older tree's server too, in the same run.
+
+    OMP_NUM_THREADS=1 python scripts/benchmark/l9_responsiveness.py [--before REF] [--duration 20] [--clients 32]
+        [--max-tokens 64] [--hostile-interval 0.25] [--probe-interval 0.01] [--threads 1] [--model DIR] [--json PATH]
+
+Each server (REF's first when --before is given: a temporary `git worktree` of REF, removed at the end, whose
+scripts/serve.py runs with this Python; then this tree's) starts alone with --threads (one core for the server,
+the other for this client), answers one warm-up request, and then for --duration seconds gets, from one asyncio
+process with httpx:
+  - --clients streaming clients, each looping a streaming /v1/completions request (--max-tokens tokens,
+    end-of-sequence ignored); every gap between two consecutive chunks that carry text is an inter-token gap;
+  - hostile requests, one at a time, one every --hostile-interval seconds, cycling through: a prompt string
+    filling the body to just under the 1 MiB limit, a prompt of token IDs as large, 5,000 levels of nested
+    arrays in an unknown field, and fields of the wrong types; their status codes are counted (5xx apart);
+  - a probe: GET /health every --probe-interval seconds, one at a time, each latency kept.
+Reported per server: /health p50/p99/max, every stream's worst gap (max and p99 over streams), tokens/s (chunks
+that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts, and the
+client's own CPU share and event-loop lag (a lag near /health's latency means the client, not the server, is
+slow). Target (a benchmark, not a test): /health p99 <= 20 ms and max <= 100 ms under this load.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_conditions
+sys.path.insert(0, str(ROOT))
+import bench_conditions  # noqa: E402
+from lessons.l9_server.app import MAX_BODY_BYTES  # noqa: E402
+from lessons.l9_server.process import SERVE, ServerProcess  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
+
+HEALTH_P99_MS, HEALTH_MAX_MS = 20.0, 100.0
+NESTING = 5000
+GRACE_S = 10.0  # for the last probe and hostile request after the deadline
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+
+
+def hostile_bodies(model: str, limit: int) -> list[tuple[str, bytes]]:
+    """(kind, body): each is refused by a correct server with a 4xx; none should slow anyone else down."""
+    head = {"model": model, "max_tokens": 1}
+    room = limit - len(json.dumps(head)) - 64  # just under the limit, with room for the field's name
+    text = json.dumps({**head, "prompt": "the " * (room // 4)})
+    ids = json.dumps({**head, "prompt": [1] * (room // 3)})  # "1, " per token ID
+    nested = json.dumps({**head, "prompt": "hi"})[:-1] + ', "x": ' + "[" * NESTING + "]" * NESTING + "}"
+    bad = json.dumps({**head, "prompt": 5, "max_tokens": "many", "temperature": "hot"})
+    return [(kind, body.encode()) for kind, body in
+            (("1 MiB text prompt", text), ("1 MiB token-ID prompt", ids), (f"{NESTING}-deep JSON", nested),
+             ("bad fields", bad))]
+
+
+@dataclass
+class Measured:
+    duration_s: float = 0.0
+    probe_ms: list[float] = field(default_factory=list)
+    probe_failures: int = 0
+    worst_gap_ms: list[float] = field(default_factory=list)  # one per stream that produced two text chunks
+    text_chunks: int = 0
+    streams_done: int = 0
+    stream_errors: Counter = field(default_factory=Counter)
+    hostile: dict[str, Counter] = field(default_factory=dict)  # kind -> status -> count
+    client_cpu: float = 0.0  # this process's CPU seconds per wall second
+    lag_ms: list[float] = field(default_factory=list)  # the client event loop's lateness on 5 ms sleeps
+
+
+def outcome(e: BaseException) -> str:
+    return str(e.response.status_code) if isinstance(e, httpx.HTTPStatusError) else type(e).__name__
+
+
+async def streamer(client: httpx.AsyncClient, body: dict, deadline: float, m: Measured) -> None:
+    while time.perf_counter() < deadline:
+        last, worst = None, 0.0
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                        now = time.perf_counter()
+                        if last is not None:
+                            worst = max(worst, now - last)
+                        last = now
+                        m.text_chunks += 1
+            m.streams_done += 1
+        except (httpx.HTTPError, ValueError) as e:
+            m.stream_errors[outcome(e)] += 1
+            await asyncio.sleep(0.1)  # a refusing server is not hammered in a tight loop
+        finally:  # also when cancelled at the deadline, mid-stream: its gaps so far count
+            if worst:
+                m.worst_gap_ms.append(worst * 1e3)
+
+
+async def hostile(client: httpx.AsyncClient, bodies: list[tuple[str, bytes]], interval: float, deadline: float,
+                  m: Measured) -> None:
+    t, i = time.perf_counter(), 0
+    while time.perf_counter() < deadline:
+        kind, body = bodies[i % len(bodies)]
+        try:
+            status = str((await client.post("/v1/completions", content=body,
+                                            headers={"content-type": "application/json"})).status_code)
+        except httpx.HTTPError as e:
+            status = outcome(e)
+        m.hostile.setdefault(kind, Counter())[status] += 1
+        i, t = i + 1, t + interval
+        await asyncio.sleep(max(0.0, min(t, deadline) - time.perf_counter()))
+
+
+async def probe(client: httpx.AsyncClient, interval: float, deadline: float, m: Measured) -> None:
+    while (t := time.perf_counter()) < deadline:
+        try:
+            ok = (await client.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        m.probe_ms.append((time.perf_counter() - t) * 1e3)
+        m.probe_failures += not ok
+        await asyncio.sleep(max(0.0, min(t + interval, deadline) - time.perf_counter()))
+
+
+async def lag(deadline: float, m: Measured) -> None:
+    while (t := time.perf_counter()) < deadline:
+        await asyncio.sleep(0.005)
+        m.lag_ms.append((time.perf_counter() - t - 0.005) * 1e3)
+
+
+async def load(base: str, model: str, args) -> Measured:
+    m = Measured()
+    clients = [httpx.AsyncClient(base_url=base, timeout=30, limits=httpx.Limits(max_connections=None))
+               for _ in range(3)]  # streams, hostile, probe: none waits for another's connection
+    body = {"model": model, "prompt": PROMPT, "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    try:
+        warm = await clients[0].post("/v1/completions", json={**body, "max_tokens": 8, "stream": False})
+        if warm.status_code != 200:
+            raise RuntimeError(f"the warm-up request got HTTP {warm.status_code}: {warm.text[:200]}")
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        deadline = t0 + args.duration
+        streams = [asyncio.create_task(streamer(clients[0], body, deadline, m)) for _ in range(args.clients)]
+        others = [asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES),
+                                              args.hostile_interval, deadline, m)),
+                  asyncio.create_task(probe(clients[2], args.probe_interval, deadline, m)),
+                  asyncio.create_task(lag(deadline, m))]
+        await asyncio.sleep(args.duration)
+        for task in streams:  # cut mid-stream at the deadline: tokens/s counts the window only
+            task.cancel()
+        m.duration_s = time.perf_counter() - t0
+        m.client_cpu = (time.process_time() - cpu0) / m.duration_s
+        await asyncio.wait(others, timeout=GRACE_S)  # the probe's and hostile's last requests finish
+        for task in streams + others:
+            task.cancel()
+        await asyncio.gather(*streams, *others, return_exceptions=True)
+    finally:
+        for c in clients:
+            await c.aclose()
+    return m
+
+
+# ----- the servers -----
+
+def git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    if done.returncode:
+        raise CourseError(f"git {' '.join(args)}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return done.stdout.strip()
+
+
+@contextmanager
+def tree(ref: str | None) -> Iterator[tuple[str, Path]]:
+    """(label, serve.py): REF's, from a temporary worktree removed afterwards; or this tree's (ref None)."""
+    if ref is None:
+        dirty = " + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+        yield f"after: this tree ({git('rev-parse', '--short', 'HEAD')}{dirty})", SERVE
+        return
+    with tempfile.TemporaryDirectory(prefix="l9_before_") as tmp:
+        path = Path(tmp) / "tree"
+        git("worktree", "add", "--detach", str(path), ref)
+        try:
+            yield f"before: {ref} ({git('rev-parse', '--short', ref + '^{commit}')})", path / "scripts" / "serve.py"
+        finally:
+            git("worktree", "remove", "--force", str(path))
+
+
+def measure(serve: Path, model_dir: Path, args) -> tuple[Measured, str]:
+    """One server, started alone, under the whole load; (what was measured, the attention backend it used)."""
+    server = ServerProcess(["--model", str(model_dir), "--device", "cpu", "--host", "127.0.0.1"], args.threads,
+                           serve=serve)
+    with server:
+        m = asyncio.run(load(server.url.removesuffix("/v1"), server.model, args))
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"the server died under the load: {server.stderr_tail()}")
+    fell_back = "C++ attention kernel is unavailable" in server.stderr_tail(50)
+    return m, "batched (no C++ kernel)" if fell_back else "cpp"
+
+
+# ----- the report -----
+
+def summary(m: Measured) -> dict[str, float]:
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    statuses = sum((c for c in m.hostile.values()), Counter())
+    return {"/health p50 (ms)": pct(m.probe_ms, 50), "/health p99 (ms)": pct(m.probe_ms, 99),
+            "/health max (ms)": max(m.probe_ms, default=float("nan")), "probes": len(m.probe_ms),
+            "probe failures": m.probe_failures, "worst gap, max over streams (ms)": max(m.worst_gap_ms, default=0.0),
+            "worst gap, p99 over streams (ms)": pct(m.worst_gap_ms, 99), "tokens/s": m.text_chunks / m.duration_s,
+            "streams completed": m.streams_done, "stream errors": sum(m.stream_errors.values()),
+            "hostile requests": sum(statuses.values()),
+            "hostile 5xx or no answer": sum(n for s, n in statuses.items() if not s.isdigit() or int(s) >= 500),
+            "client CPU (% of a core)": 100 * m.client_cpu, "client loop lag max (ms)": max(m.lag_ms, default=0.0)}
+
+
+def show(console: Console, results: dict[str, tuple[Measured, str]]) -> dict[str, dict]:
+    sums = {label: summary(m) for label, (m, _) in results.items()}
+    t = Table(title="L9 under hostile load")
+    t.add_column("")
+    for label in sums:
+        t.add_column(label.split(":")[0], justify="right")
+    if len(sums) == 2:
+        t.add_column("after / before", justify="right")
+    for name in next(iter(sums.values())):
+        values = [s[name] for s in sums.values()]
+        cells = [f"{v:,.1f}" if isinstance(v, float) else f"{v:,}" for v in values]
+        if len(values) == 2:
+            cells.append(f"{values[1] / values[0]:.2f}x" if values[0] else "—")
+        t.add_row(name, *cells)
+    console.print(t)
+    for label, (m, backend) in results.items():
+        console.print(f"{label}, backend {backend}; hostile statuses: " + "; ".join(
+            f"{kind}: " + ", ".join(f"{s} x{n}" for s, n in sorted(c.items())) for kind, c in m.hostile.items()))
+        if m.stream_errors:
+            console.print(f"  stream errors: {dict(m.stream_errors)}")
+        s = sums[label]
+        met = s["/health p99 (ms)"] <= HEALTH_P99_MS and s["/health max (ms)"] <= HEALTH_MAX_MS
+        console.print(f"  target (/health p99 <= {HEALTH_P99_MS:g} ms, max <= {HEALTH_MAX_MS:g} ms): "
+                      + ("[green]met[/]" if met else "[red]not met[/]"))
+    return sums
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="l9_responsiveness.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", metavar="REF", help="also measure this git ref's server, first (e.g. main)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load per server (default: 20)")
+    p.add_argument("--clients", type=int, default=32, help="streaming clients (default: 32)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed request (default: 64)")
+    p.add_argument("--hostile-interval", type=float, default=0.25, help="seconds between hostile requests")
+    p.add_argument("--probe-interval", type=float, default=0.01, help="seconds between /health probes")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of each server")
+    p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    return p
+
+
+def check(args) -> None:
+    for name in ("duration", "hostile_interval", "probe_interval"):
+        if not getattr(args, name) > 0:
+            raise CourseError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("clients", "max_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.before is not None:
+        git("rev-parse", "--verify", "--quiet", args.before + "^{commit}")
+
+
+def main() -> None:
+    args = parser().parse_args()
+    try:
+        check(args)
+        model_dir = resolve_model_dir(args.model, default_model_dir).resolve()
+    except CourseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    torch.set_num_threads(args.threads)  # so bench_conditions reports the servers' thread count
+    conditions = bench_conditions.start()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    console.print(f"[bold]L9 responsiveness[/]: {model_dir.name}, cpu float32, {args.threads} thread(s) per server; "
+                  f"{cpu}; {args.duration:g} s per server of {args.clients} streams of {args.max_tokens} tokens, "
+                  f"a hostile request every {args.hostile_interval:g} s, GET /health every "
+                  f"{args.probe_interval * 1e3:g} ms")
+    results = {}
+    try:
+        for ref in ([args.before] if args.before else []) + [None]:
+            with tree(ref) as (label, serve):
+                t0 = time.perf_counter()
+                results[label] = measure(serve, model_dir, args)
+                console.print(f"  {label}: measured in {time.perf_counter() - t0:.0f} s (start, load, stop)")
+    except (CourseError, RuntimeError, httpx.HTTPError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    bench_conditions.finish(conditions, console)
+    sums = show(console, results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "cpu": cpu, "conditions": conditions,
+                                               "servers": {label: {"backend": b, "summary": sums[label], **vars(m)}
+                                                           for label, (m, b) in results.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

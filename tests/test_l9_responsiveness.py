@@ -1,0 +1,64 @@
+"""scripts/benchmark/l9_responsiveness.py: its options, its hostile bodies, the before tree's worktree, and one
+short run's report against a live server. No timing is asserted: only that every measure is there."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
+import l9_responsiveness as bench  # noqa: E402
+
+from lessons.l9_server.app import MAX_BODY_BYTES  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--clients", "0"], "--clients must be at least 1, got 0"),
+    (["--duration", "0"], "--duration must be positive, got 0.0"),
+    (["--probe-interval", "nan"], "--probe-interval must be positive, got nan"),
+    (["--before", "no-such-ref-27"], "git rev-parse"),
+])
+def test_a_bad_option_is_one_line_and_exit_2(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["l9_responsiveness.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_hostile_bodies_are_just_under_the_limit_or_deep():
+    bodies = dict(bench.hostile_bodies("m", MAX_BODY_BYTES))
+    for kind in ("1 MiB text prompt", "1 MiB token-ID prompt"):
+        assert MAX_BODY_BYTES - 1024 < len(bodies[kind]) <= MAX_BODY_BYTES
+        assert json.loads(bodies[kind])["model"] == "m"
+    assert bodies[f"{bench.NESTING}-deep JSON"].count(b"[") == bench.NESTING == 5000
+    bad = json.loads(bodies["bad fields"])
+    assert bad["prompt"] == 5 and bad["max_tokens"] == "many"
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_the_before_tree_is_a_worktree_removed_afterwards():
+    with bench.tree("HEAD") as (label, serve):
+        assert label.startswith("before: HEAD (") and serve.is_file() and serve != bench.SERVE
+    assert not serve.exists()
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    assert str(serve.parents[1]) not in listed
+
+
+def test_a_short_run_reports_every_measure(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["l9_responsiveness.py", "--duration", "1.5", "--clients", "2",
+                                      "--hostile-interval", "0.1", "--json", str(out)])
+    bench.main()
+    printed = capsys.readouterr().out
+    assert "L9 under hostile load" in printed and "target (/health p99 <= 20 ms, max <= 100 ms)" in printed
+    (label, server), = json.loads(out.read_text())["servers"].items()
+    assert label.startswith("after: this tree (") and server["backend"] in ("cpp", "batched (no C++ kernel)")
+    summary = server["summary"]
+    assert set(summary) == set(bench.summary(bench.Measured(duration_s=1.0, probe_ms=[1.0])))
+    assert summary["probes"] == len(server["probe_ms"]) >= 1  # the first probe is always sent
+    assert summary["hostile requests"] == sum(sum(c.values()) for c in server["hostile"].values()) >= 1
+    assert set(server["hostile"]) <= set(dict(bench.hostile_bodies("m", MAX_BODY_BYTES)))
+    assert summary["tokens/s"] == pytest.approx(server["text_chunks"] / server["duration_s"])
