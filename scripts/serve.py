@@ -14,6 +14,7 @@ refused, open streams get --shutdown-timeout seconds to finish (then are aborted
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
@@ -88,18 +89,39 @@ def parser() -> OneLineParser:
     return p
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server, with two changes: it prints where it serves once it answers, and a SIGTERM ends it
-    with exit status 0 (uvicorn re-raises the signal after its graceful shutdown, which would kill us)."""
+# Seconds between the end of --shutdown-timeout, when the engine thread answers every open request with
+# 503, and uvicorn cancelling the handlers still open: time for the step under way to end and for each
+# handler to send its 503. A handler uvicorn cancels sends a 500, or cuts its stream without a word.
+SHUTDOWN_FLUSH_S = 2.0
 
-    def __init__(self, config: uvicorn.Config, loop: EngineLoop, banner: str):
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with three changes: it prints where it serves once it answers; requests still open
+    when the grace period ends get a 503; and a SIGTERM ends it with exit status 0 (uvicorn re-raises the
+    signal after its graceful shutdown, which would kill us)."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, banner: str, grace: float):
         super().__init__(config)
-        self.engine_loop, self.banner = loop, banner
+        self.engine_loop, self.banner, self.grace = loop, banner, grace
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             print(self.banner, flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown waits up to its timeout (grace + SHUTDOWN_FLUSH_S) for open requests. After
+        `grace`, the engine thread stops and answers each with a 503 (in-band on a stream), so every handler
+        ends by itself before uvicorn would cancel it."""
+        deadline = asyncio.create_task(self._stop_engine_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _stop_engine_after_grace(self) -> None:
+        await asyncio.sleep(self.grace)
+        await asyncio.to_thread(self.engine_loop.stop)
 
     def handle_exit(self, sig, frame) -> None:
         self.engine_loop.accepting = False  # new requests get 503 while open streams finish
@@ -124,6 +146,8 @@ def build(args) -> tuple[Server, socket.socket]:
     for value, name in ((args.max_waiting, "--max-waiting"), (args.default_max_tokens, "--default-max-tokens"),
                         (args.max_body_bytes, "--max-body-bytes")):
         positive(value, name)
+    if not args.shutdown_timeout >= 0:  # NaN too
+        raise CourseError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.threads is not None:
         positive(args.threads, "--threads")
         torch.set_num_threads(args.threads)
@@ -157,8 +181,9 @@ def build(args) -> tuple[Server, socket.socket]:
     app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
-    return Server(config, loop, f"serving {name} at http://{url_host}:{port}/v1"), sock
+    config = uvicorn.Config(app, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_S)
+    return Server(config, loop, f"serving {name} at http://{url_host}:{port}/v1", args.shutdown_timeout), sock
 
 
 def main() -> None:

@@ -102,11 +102,18 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
         check_request(ids, req, model)
         subscriber = Subscriber(asyncio.get_running_loop())
         request_id = loop.submit(ids, req, subscriber)
+        get = asyncio.create_task(subscriber.events.get())  # Accepted or Failed, within one engine step
+        gone = asyncio.create_task(disconnected(request))  # a client that leaves first frees this handler
         try:
-            first = await subscriber.events.get()  # Accepted or Failed, within one engine step
-        except asyncio.CancelledError:  # cancelled in that step (a shutdown): the inbox takes the abort after it
-            loop.abort(request_id)
-            raise
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled (a shutdown past its grace period)
+            gone.cancel()
+            if not get.done():  # the inbox takes the abort after the step under way
+                get.cancel()
+                loop.abort(request_id)
+        if get not in done:
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+        first = get.result()
         if isinstance(first, Failed):
             raise first.error
         shape = ResponseShape(chat, model.name, req.return_token_ids)

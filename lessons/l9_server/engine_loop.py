@@ -109,9 +109,12 @@ class EngineLoop:
         self.accepting = True
         self.failure: str | None = None
         self._ids = itertools.count()
+        # submit's checks and its put into the inbox happen under this lock, and the engine thread sets
+        # `_closed` under it before its last drain of the inbox: a request submitted is always answered.
         self._lock = threading.Lock()
-        self._in_inbox = 0  # submissions not yet drained by the engine thread
-        self._engine_waiting = 0  # the scheduler's waiting queue, as of the last step
+        self._closed = False
+        self._in_inbox = 0  # sequences (n per request) submitted, not yet drained by the engine thread
+        self._engine_waiting = 0  # sequences the scheduler has yet to admit (unforked siblings too), last step
 
     # --- called from the event loop ---
 
@@ -119,18 +122,22 @@ class EngineLoop:
         self.thread.start()
 
     def submit(self, prompt_ids: list[int], request: GenerationRequest, subscriber: Subscriber) -> int:
-        """Queue a request for the engine thread; refuse it at once if the server cannot take it."""
-        if self.failure is not None:
-            raise ApiError(503, f"the engine has failed: {self.failure}", kind="server_error")
-        if not self.accepting:
-            raise ApiError(503, "the server is shutting down", kind="server_error")
+        """Queue a request for the engine thread; refuse it at once if the server cannot take it. Each of its
+        n choices is a sequence the engine must run, so each counts against max_waiting."""
+        if request.n > self.max_waiting:  # a 429 would send the client back for ever: it can never fit
+            raise ApiError(400, f"n ({request.n}) exceeds the {self.max_waiting} sequences this server queues "
+                                f"(--max-waiting)", "n")
         with self._lock:
-            if self._in_inbox + self._engine_waiting >= self.max_waiting:
-                raise ApiError(429, f"{self.max_waiting} requests are already waiting; retry in {RETRY_AFTER_S} s",
+            if self.failure is not None:
+                raise ApiError(503, f"the engine has failed: {self.failure}", kind="server_error")
+            if self._closed or not self.accepting:
+                raise ApiError(503, "the server is shutting down", kind="server_error")
+            if self._in_inbox + self._engine_waiting + request.n > self.max_waiting:
+                raise ApiError(429, f"{self.max_waiting} sequences are already waiting; retry in {RETRY_AFTER_S} s",
                                kind="rate_limit_error")
-            self._in_inbox += 1
-        request_id = next(self._ids)
-        self.inbox.put(("submit", request_id, Job(request, prompt_ids, subscriber, time.perf_counter())))
+            self._in_inbox += request.n
+            request_id = next(self._ids)
+            self.inbox.put(("submit", request_id, Job(request, prompt_ids, subscriber, time.perf_counter())))
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -148,13 +155,13 @@ class EngineLoop:
     # --- the engine thread ---
 
     def _run(self) -> None:
-        self.metrics.update(self.engine)  # a fresh server's pool, before the first request arrives
         try:
+            self.metrics.update(self.engine)  # a fresh server's pool, before the first request arrives
             while self._drain(block=not self.engine.scheduler.has_work()):
                 if self.engine.scheduler.has_work():
                     self.engine.step()
                     self._emit(time.perf_counter())
-                self._engine_waiting = len(self.engine.scheduler.waiting)
+                self._engine_waiting = sum(1 + len(s.extra.get("forks", ())) for s in self.engine.scheduler.waiting)
                 self.metrics.update(self.engine)
         except Exception as e:  # a bug, or the device failing: every request in flight learns of it
             if isinstance(e, RunFailure):  # a rank of a split model (L10) is gone: one line says which and why
@@ -162,13 +169,22 @@ class EngineLoop:
             else:
                 traceback.print_exc()
             self.failure = f"{type(e).__name__}: {e}"
-        self.accepting = False
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Answer every request the thread knows of, and every one still in the inbox, with a 503."""
+        with self._lock:  # after this, submit refuses: all it ever put in the inbox is drained below
+            self._closed, self.accepting = True, False
         failed = Failed(ApiError(503, self.failure or "the server is shutting down", kind="server_error"))
         for job in self.jobs.values():
             job.subscriber.put(failed)
         self.jobs.clear()
-        while not self.inbox.empty():  # submissions that arrived after the last drain wait for an answer too
-            kind, _, job = self.inbox.get_nowait()
+        while True:
+            try:
+                kind, _, job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
             if kind == "submit":
                 job.subscriber.put(failed)
 
@@ -195,9 +211,12 @@ class EngineLoop:
         except CourseError as e:  # the app checked the fields; what is left is the pool: a request it can never hold
             job.subscriber.put(Failed(ApiError(400, str(e), "max_tokens")))
             return
+        except Exception:  # an engine bug, its state now unknown: the loop fails, and this request learns it too
+            self.jobs[request_id] = job
+            raise
         finally:
             with self._lock:
-                self._in_inbox -= 1
+                self._in_inbox -= req.n
         job.choices = [Choice(seq, IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.stop_strings))
                        for seq in seqs]
         self.jobs[request_id] = job
