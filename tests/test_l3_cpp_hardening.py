@@ -1,9 +1,11 @@
 """The C++ kernel as a neighbour (paged_attention.cpp, cpp_backend.py): it lets other Python threads run while it
-computes, and turns a bad shape into an error rather than a dead process.
+computes, turns a bad shape into an error rather than a dead process, builds into a folder that names the
+flags and CPU it was built for, and survives a build that was killed half-way.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -100,3 +102,85 @@ def test_a_bad_shape_is_one_clear_error(q_shape, k_shape, message):
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     with pytest.raises(RuntimeError, match=message):
         cpp_backend.load_kernel().paged_attention(q, k, k.clone(), i32([0, 1]), i32([0, 1]), i32([0]), i32([1]))
+
+
+def test_the_build_folder_names_the_flags_and_the_cpu(monkeypatch):
+    native, portable = cpp_backend.FLAGS
+    monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "fpu sse2 avx2")
+    avx2 = cpp_backend.build_dir(native)
+    assert cpp_backend.build_dir(native) == avx2  # the same machine finds its build again
+    assert cpp_backend.build_dir(portable) != avx2  # each flag set builds into a folder of its own
+    assert cpp_backend.build_dir([*native, "-g"]) != avx2
+    portable_build = cpp_backend.build_dir(portable)
+    monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "fpu sse2 avx2 avx512f")
+    assert cpp_backend.build_dir(native) != avx2  # a CPU with other instructions does not load this one's build
+    assert cpp_backend.build_dir(portable) == portable_build  # a portable build runs on either
+
+
+def test_cpu_features_reads_the_flags_line():
+    features = cpp_backend.cpu_features()
+    assert isinstance(features, str)
+    if sys.platform == "linux" and os.uname().machine == "x86_64":
+        assert "sse2" in features.split()
+
+
+def test_a_build_waits_for_another_builder_with_a_deadline(monkeypatch, tmp_path):
+    fcntl = pytest.importorskip("fcntl")  # Windows has none: there the build takes no lock of its own
+    from torch.utils import cpp_extension
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("built while another process held the build lock")
+
+    monkeypatch.setattr(cpp_backend, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_backend, "BUILD_WAIT_S", 0.3)
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
+    lock = cpp_backend.lock_path()
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:  # another process building: flock is per open file, so this counts as one
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(cpp_backend.KernelUnavailable,
+                           match=r"^another process has been building the C\+\+ kernel for 0\.3 s \(lock: .*\)$"):
+            cpp_backend._build_and_load()
+
+
+# Builds the kernel from scratch into $PAGED_COURSE_CACHE; one real build, about a minute on a 2-core machine.
+LOAD = """
+from lessons.l3_block_tensor.backends import cpp_backend
+print(cpp_backend.load_kernel().paged_attention.__name__)
+"""
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid`: ninja starts each compiler in a process group of its own, so
+    killing the build's group would leave the compiler running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, pgrp, session
+            if int(fields[3]) == sid:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            pass  # a process that has already gone
+
+
+@needs_kernel
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the build's processes in /proc")
+def test_a_killed_build_does_not_block_the_next(tmp_path):
+    # A build killed mid-way (OOM killer, CI timeout) leaves cpp_extension's own `lock` file behind, fresh: its
+    # stale check would not fire, and torch's lock waits on it forever. The next process must build anyway.
+    env = {**os.environ, "PAGED_COURSE_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("kernels/*/lock")) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the compiler is running now
+    finally:
+        kill_session(first.pid)  # the build and its compiler, as a CI timeout kills them
+        first.wait()
+    assert list(tmp_path.glob("kernels/*/lock")), "the killed build left no lock file: nothing was tested"
+    assert not list(tmp_path.glob("kernels/*/*.so"))
+    second = subprocess.run([sys.executable, "-c", LOAD], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-500:]
+    assert second.stdout.strip() == "paged_attention"

@@ -3,7 +3,8 @@
 The other two CPU backends gather every request's pages into a copy before attention; this one reads K/V
 from the pool where the block table says they are, as FlashInfer does on a GPU, from the same CSR tables.
 It is compiled on first use by torch.utils.cpp_extension (needs a C++ compiler and ninja; about a minute)
-into the course's cache folder, and loaded from there afterwards in well under a second.
+into the course's cache folder, and loaded from there afterwards in well under a second. One process builds
+at a time, under a lock the OS drops when its holder dies: a build killed half-way never blocks the next.
 """
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 import torch
 
@@ -23,11 +27,16 @@ from lessons.l3_block_tensor.batch_meta import BatchMeta
 from shared.errors import CourseError
 from shared.tiny_qwen3 import cache_root
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the build there takes cpp_extension's lock alone
+    fcntl = None
+
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 MODULE = "paged_attention_cpu"
 # Tuned for the CPU it is built on; a compiler that does not know -march=native gets the portable build.
 FLAGS = (["-O3", "-fopenmp", "-march=native"], ["-O3", "-fopenmp"])
-STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
+BUILD_WAIT_S = 900  # another process's build takes about a minute; one that holds the lock this long is stuck
 
 _loaded: ModuleType | None = None
 _failure: str | None = None
@@ -37,12 +46,39 @@ class KernelUnavailable(CourseError):
     """The kernel cannot be built or loaded here; the message says why in one line."""
 
 
-def build_dir() -> Path:
-    """One folder per machine kind, Python, torch (a module built against one torch does not load in another)
-    and source text: an edited kernel builds into a folder of its own, and undoing the edit finds the old build."""
+def cpu_features() -> str:
+    """The instruction sets this CPU reports: /proc/cpuinfo's flags (x86) or Features (ARM) on Linux; elsewhere
+    the processor's name, the best cheap stand-in."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _kernel_key() -> str:
+    """Machine kind, Python, torch (a module built against one torch does not load in another) and source text:
+    an edited kernel builds into a folder of its own, and undoing the edit finds the old build."""
     py = f"{sys.version_info.major}{sys.version_info.minor}"
     source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return cache_root() / "kernels" / f"{MODULE}-{platform.machine()}-py{py}-torch{torch.__version__}-{source}"
+    return f"{MODULE}-{platform.machine()}-py{py}-torch{torch.__version__}-{source}"
+
+
+def build_dir(flags: Sequence[str]) -> Path:
+    """The kernel's key plus the build's: its flags and, for a build tuned to this CPU (-march=native), the CPU's
+    instruction sets. A cache shared by two CPUs (a network home, a CI cache) then never hands AVX-512 code to
+    a CPU without it, which would die on an illegal instruction; a portable build is shared."""
+    tuned_for = cpu_features() if "-march=native" in flags else ""
+    build = hashlib.sha256(repr((list(flags), tuned_for)).encode()).hexdigest()[:8]
+    return cache_root() / "kernels" / f"{_kernel_key()}-{build}"
+
+
+def lock_path() -> Path:
+    return cache_root() / "kernels" / f"{_kernel_key()}.lock"
 
 
 def load_kernel() -> ModuleType:
@@ -70,24 +106,56 @@ def _build_and_load() -> ModuleType:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ['PATH']}"
     from torch.utils import cpp_extension
 
-    folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / "lock"  # cpp_extension waits forever on a lock that a killed build left behind
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    if not any(folder.glob(f"{MODULE}*.so")):
-        print(f"building the C++ paged-attention kernel into {folder} (once; about a minute)", file=sys.stderr,
-              flush=True)
-    error = ""
-    for flags in FLAGS:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises below
-                return cpp_extension.load(MODULE, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                          build_directory=str(folder), verbose=False)
-        except Exception as e:  # a compiler that fails its version check, a compile error, a module that won't load
-            error = _first_error(str(e))
+    lock_path().parent.mkdir(parents=True, exist_ok=True)
+    with _one_builder(lock_path()) as locked:
+        if not [so for flags in FLAGS for so in build_dir(flags).glob(f"{MODULE}*.so")]:
+            print(f"building the C++ paged-attention kernel into {build_dir(FLAGS[0])} (once; about a minute)",
+                  file=sys.stderr, flush=True)
+        error = ""
+        for flags in FLAGS:
+            folder = build_dir(flags)
+            folder.mkdir(exist_ok=True)
+            if locked:  # nobody else is building: a `lock` here was left by a build that was killed, and
+                (folder / "lock").unlink(missing_ok=True)  # cpp_extension would wait on it forever
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises below
+                    return cpp_extension.load(MODULE, [str(SOURCE)], extra_cflags=list(flags),
+                                              extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            except Exception as e:  # a compiler failing its version check, a compile error, a module that won't load
+                error = _first_error(str(e))
     raise KernelUnavailable(f"the C++ kernel did not build ({error})")
+
+
+@contextmanager
+def _one_builder(path: Path) -> Iterator[bool]:
+    """Holds an exclusive flock on `path` (True), waiting up to BUILD_WAIT_S for another process's build. The OS
+    drops a flock when its holder dies, however it dies: a killed build leaves nothing to wait on. Where there
+    is no flock (Windows, a file system without locks) it holds nothing (False)."""
+    if fcntl is None:
+        yield False
+        return
+    with open(path, "a") as lock:  # closing it, on the way out, releases the lock
+        yield _flock(lock, path)
+
+
+def _flock(lock: IO[str], path: Path) -> bool:
+    """Takes the lock, polling until BUILD_WAIT_S has passed; False where the file system has no locks."""
+    deadline, said = time.monotonic() + BUILD_WAIT_S, False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # polled, not blocking: nothing waits forever
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise KernelUnavailable(f"another process has been building the C++ kernel for {BUILD_WAIT_S:g} s "
+                                        f"(lock: {path})") from None
+            if not said:
+                print("waiting for another process that is building the C++ kernel", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.1)
+        except OSError:  # a file system without locks
+            return False
 
 
 def _first_error(log: str) -> str:
