@@ -1,0 +1,236 @@
+"""L10's control channel and collectives, against a stand-in for torch.distributed: no rank is started here.
+
+- A step travels as int64 tensors (wire.py), never pickled: with pickle's loaders poisoned, rank 0's send
+  and a follower's receive round-trip every kind of message; a malformed message is one RunFailure line.
+- Every collective is issued with async_op=True and waited for with the step timeout (Work.wait(timeout)),
+  the path that bounds NCCL's asynchronous collectives as well as gloo's; a follower's wait for the next
+  step is the one unbounded wait.
+- close() while the engine thread is inside a step waits for that step: never two collectives at once; a
+  step that outlasts the timeout is left alone (the followers are ended) and the group refuses later calls.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lessons.l4_continuous.sequence import Sequence
+from lessons.l8_chunked_prefill.slice import Slice
+from lessons.l10_tensor_parallel.group import TpGroup
+from lessons.l10_tensor_parallel.runner import TpRunner
+from shared.errors import RunFailure
+
+CPU = torch.device("cpu")
+UNBOUNDED = "no timeout"
+
+
+class FakeDist:
+    """torch.distributed's collectives as group.py calls them. Records how each is issued (async or not, the
+    timeout its wait was given), counts two at once, and carries rank 0's broadcasts to a follower."""
+
+    def __init__(self, hold_s: float = 0.0):
+        self.hold_s = hold_s  # how long each collective takes
+        self.issued: list[dict] = []  # {"name", "async_op", "wait"} in issue order
+        self.sent: list[torch.Tensor] = []  # what rank 0 broadcast
+        self.incoming: list[torch.Tensor] = []  # what a follower's broadcasts receive, in order
+        self.follower = False
+        self.inside, self.overlaps = 0, 0
+        self.entered = {name: threading.Event() for name in ("all_reduce", "broadcast")}
+        self._lock = threading.Lock()
+
+    def install(self, monkeypatch) -> "FakeDist":
+        for name in ("all_reduce", "gather", "broadcast"):
+            monkeypatch.setattr(dist, name, getattr(self, name))
+        monkeypatch.setattr(dist, "broadcast_object_list", self.broadcast_object_list)
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+        return self
+
+    def _run(self, name: str, async_op: bool, work) -> "FakeWork | None":
+        record = {"name": name, "async_op": async_op, "wait": None}
+        self.issued.append(record)
+        with self._lock:
+            self.inside += 1
+            self.overlaps += self.inside > 1
+        if name in self.entered:
+            self.entered[name].set()
+        time.sleep(self.hold_s)
+        work()
+        with self._lock:
+            self.inside -= 1
+        return FakeWork(record) if async_op else None
+
+    def all_reduce(self, x, group=None, async_op=False):
+        return self._run("all_reduce", async_op, lambda: x.mul_(2))  # two ranks holding the same x
+
+    def gather(self, x, parts=None, dst=0, group=None, async_op=False):
+        def work():
+            for p in parts or []:
+                p.copy_(x)
+        return self._run("gather", async_op, work)
+
+    def broadcast(self, x, src=0, group=None, async_op=False):
+        def work():
+            if self.follower:
+                x.copy_(self.incoming.pop(0))
+            else:
+                self.sent.append(x.clone())
+        return self._run("broadcast", async_op, work)
+
+    def broadcast_object_list(self, objects, src=0, group=None, async_op=False):
+        return self._run("broadcast_object_list", async_op, lambda: None)  # a pickle: the tests below refuse it
+
+
+class FakeWork:
+    def __init__(self, record: dict):
+        self.record = record
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.record["wait"] = UNBOUNDED if timeout is None else timeout
+        return True
+
+
+@pytest.fixture
+def no_pickle(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle on the control channel")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(dist.distributed_c10d, "_unpickler", refuse, raising=False)
+
+
+def a_step() -> tuple[list[Slice], list[tuple[int, int]]]:
+    seq = Sequence(list(range(300, 340)), 16, seq_id=1, blocks=[7, 3, 9])
+    seq.num_cached = 32
+    other = Sequence([5, 6, 7], 16, seq_id=2, blocks=[4])
+    return [Slice.of(seq, 8), Slice.of(other, 2)], [(3, 11), (4, 12)]
+
+
+def deliver(sender: FakeDist, monkeypatch) -> tuple:
+    """What a follower's receive() makes of everything rank 0 broadcast."""
+    follower = FakeDist().install(monkeypatch)
+    follower.follower, follower.incoming = True, list(sender.sent)
+    got = TpGroup(1, 2, CPU, 5.0, compute="compute", control="control").receive()
+    assert follower.incoming == [], "the follower read exactly what was sent"
+    assert {r["name"] for r in follower.issued} == {"broadcast"}
+    return got
+
+
+def test_every_kind_of_message_round_trips_as_int64_tensors_without_pickle(monkeypatch, no_pickle):
+    slices, copies = a_step()
+    messages = [("load", "/models/tiny qwen3 ✓", "float32"), ("build_runner", 16, 257, "torch"),
+                ("capture", [1, 2, 4], 256), ("run_step", slices, copies)]
+    for kind, *args in messages:
+        sender = FakeDist().install(monkeypatch)
+        with TpGroup(0, 2, CPU, 5.0, compute="compute", control="control").lead(kind, *args):
+            pass
+        assert {r["name"] for r in sender.issued} == {"broadcast"}, f"{kind}: {sender.issued}"
+        assert sender.sent and all(t.dtype == torch.int64 for t in sender.sent)
+        got = deliver(sender, monkeypatch)
+        if kind != "run_step":
+            assert got == (kind, *args)
+            continue
+        assert got[0] == "run_step" and got[2] == copies
+        for want, s in zip(slices, got[1], strict=True):
+            assert (s.block_size, s.blocks, s.num_cached, s.num_tokens, s.decode, s.samples) == \
+                   (want.block_size, want.blocks, want.num_cached, want.num_tokens, want.decode, want.samples)
+            assert s.prompt_ids[s.num_cached:] == want.prompt_ids[want.num_cached:]
+    sender = FakeDist().install(monkeypatch)
+    TpGroup(0, 2, CPU, 5.0, compute="compute", control="control").close()  # the stop message
+    assert deliver(sender, monkeypatch) is None
+
+
+def bad_messages() -> dict[str, list[torch.Tensor]]:
+    """What a follower's broadcasts receive: a header, then (when it says so) a payload."""
+    from lessons.l10_tensor_parallel import wire
+
+    def message(kind: int, *payload: int) -> list[torch.Tensor]:
+        return [torch.tensor([wire.MAGIC, kind, len(payload)]), torch.tensor(payload, dtype=torch.int64)]
+
+    load, capture, run_step = (wire.KINDS.index(k) for k in ("load", "capture", "run_step"))
+    return {
+        "bad magic": [torch.tensor([7, load, 0])],
+        "unknown kind": [torch.tensor([wire.MAGIC, 99, 0])],
+        "payload length": [torch.tensor([wire.MAGIC, load, 1 << 62])],
+        "overruns": message(load, 1, 65, 7, 66),  # a 1-byte string, then 7 bytes promised and 1 there
+        "not UTF-8": message(load, 1, 255, 1, 65),
+        "fields, not 2": message(load, 1, 65),
+        "run_step": message(run_step, 0, 1, 5),  # copies, then a third of a slice
+        "below 1": message(capture, 1, -2, 1, 0),  # a capture size of -2
+    }
+
+
+@pytest.mark.parametrize("what", ["bad magic", "unknown kind", "payload length", "overruns", "not UTF-8",
+                                  "fields, not 2", "run_step", "below 1"])
+def test_a_malformed_message_is_one_runfailure_line(monkeypatch, no_pickle, what):
+    follower = FakeDist().install(monkeypatch)
+    follower.follower, follower.incoming = True, bad_messages()[what]
+    with pytest.raises(RunFailure) as e:
+        TpGroup(1, 2, CPU, 5.0, compute="compute", control="control").receive()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("tensor-parallel rank 1 of 2: malformed control message from rank 0")
+    assert what in msg
+
+
+def test_collectives_are_async_and_waited_for_with_the_step_timeout(monkeypatch):
+    fake = FakeDist().install(monkeypatch)
+    group = TpGroup(0, 2, CPU, 7.0, compute="compute", control="control")
+    bounded = timedelta(seconds=7)
+    assert group.all_reduce(torch.ones(3)).tolist() == [2, 2, 2]
+    assert group.gather_last_dim(torch.ones(2, 3)).shape == (2, 6)
+    assert [(r["name"], r["async_op"], r["wait"]) for r in fake.issued] == \
+           [("all_reduce", True, bounded), ("gather", True, bounded)]
+    with group.lead("capture", [1, 2], 5):  # rank 0's sends: a header, then a payload
+        pass
+    assert [(r["name"], r["async_op"], r["wait"]) for r in fake.issued[2:]] == [("broadcast", True, bounded)] * 2
+    # A follower: its step's collectives bounded the same way; its wait for the next step is not.
+    follower = FakeDist().install(monkeypatch)
+    follower.follower, follower.incoming = True, list(fake.sent)
+    rank1 = TpGroup(1, 2, CPU, 7.0, compute="compute", control="control")
+    assert rank1.receive() == ("capture", [1, 2], 5)
+    rank1.all_reduce(torch.ones(3))
+    assert [(r["name"], r["async_op"], r["wait"]) for r in follower.issued] == \
+           [("broadcast", True, UNBOUNDED)] * 2 + [("all_reduce", True, bounded)]
+
+
+def stepping_runner(group: TpGroup) -> TpRunner:
+    """TpRunner.forward as the engine thread calls it, with a step that is one all-reduce."""
+    runner = TpRunner.__new__(TpRunner)
+    runner.tp, runner.allocator = group, SimpleNamespace(take_copies=list)
+    runner.run_step = lambda slices, copies: group.all_reduce(torch.ones(2))
+    return runner
+
+
+def test_close_waits_for_the_step_in_flight_never_two_collectives_at_once(monkeypatch):
+    fake = FakeDist(hold_s=0.3).install(monkeypatch)
+    group = TpGroup(0, 2, CPU, 30.0, compute="compute", control="control")
+    stepping = threading.Thread(target=stepping_runner(group).forward, args=([],))
+    stepping.start()
+    assert fake.entered["all_reduce"].wait(30)
+    group.close()  # the server shutting down while the engine thread is inside the step
+    stepping.join(30)
+    assert fake.overlaps == 0, fake.issued
+    names = [r["name"] for r in fake.issued]
+    assert names[names.index("all_reduce") + 1:] == ["broadcast"], names  # the stop message, after the step
+
+
+def test_close_leaves_a_step_that_outlasts_the_timeout_alone(monkeypatch):
+    fake = FakeDist(hold_s=2.0).install(monkeypatch)
+    group = TpGroup(0, 2, CPU, 0.2, compute="compute", control="control")
+    ended = []
+    group.on_close.append(lambda: ended.append("followers"))
+    stepping = threading.Thread(target=stepping_runner(group).forward, args=([],))
+    stepping.start()
+    assert fake.entered["all_reduce"].wait(30)
+    group.close()
+    assert ended == ["followers"] and fake.overlaps == 0
+    stepping.join(30)
+    assert [r["name"] for r in fake.issued][-1] == "all_reduce", "no stop message beside the step"
+    with pytest.raises(RunFailure, match="after the group was closed"):
+        stepping_runner(group).forward([])
