@@ -199,14 +199,19 @@ def tree(ref: str | None) -> Iterator[tuple[str, Path]]:
             git("worktree", "remove", "--force", str(path))
 
 
-def measure(serve: Path, model_dir: Path, args) -> tuple[Measured, str]:
+def measure(serve: Path, model_dir: Path, args, console: Console, label: str) -> tuple[Measured, str]:
     """One server, started alone, under the whole load; (what was measured, the attention backend it used)."""
     server = ServerProcess(["--model", str(model_dir), "--device", "cpu", "--host", "127.0.0.1"], args.threads,
                            serve=serve)
+    t0 = time.perf_counter()
     with server:
+        t1 = time.perf_counter()
         m = asyncio.run(load(server.url.removesuffix("/v1"), server.model, args))
         if server.proc.poll() is not None:
             raise RuntimeError(f"the server died under the load: {server.stderr_tail()}")
+        t2 = time.perf_counter()
+    console.print(f"  {label}: started in {t1 - t0:.0f} s, loaded for {t2 - t1:.0f} s (warm-up and the last hostile "
+                  f"request included), stopped in {time.perf_counter() - t2:.0f} s")
     fell_back = "C++ attention kernel is unavailable" in server.stderr_tail(50)
     return m, "batched (no C++ kernel)" if fell_back else "cpp"
 
@@ -225,7 +230,8 @@ def summary(m: Measured) -> dict[str, float]:
             "streams completed": m.streams_done, "stream errors": sum(m.stream_errors.values()),
             "hostile requests": sum(statuses.values()),
             "hostile 5xx or no answer": sum(n for s, n in statuses.items() if not s.isdigit() or int(s) >= 500),
-            "client CPU (% of a core)": 100 * m.client_cpu, "client loop lag max (ms)": max(m.lag_ms, default=0.0)}
+            "client CPU (% of a core)": 100 * m.client_cpu, "client loop lag p99 (ms)": pct(m.lag_ms, 99),
+            "client loop lag max (ms)": max(m.lag_ms, default=0.0)}
 
 
 def show(console: Console, results: dict[str, tuple[Measured, str]]) -> dict[str, dict]:
@@ -277,7 +283,20 @@ def check(args) -> None:
         if getattr(args, name) < 1:
             raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.before is not None:
-        git("rev-parse", "--verify", "--quiet", args.before + "^{commit}")
+        try:
+            git("rev-parse", "--verify", "--quiet", args.before + "^{commit}")
+        except CourseError:
+            raise CourseError(f"--before {args.before!r}: not a commit of this repository") from None
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its widest x86 vector extension, from /proc/cpuinfo (Linux)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in info.splitlines()
+                                                            if ":" in line)}
+    flags = fields.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return " ".join(x for x in (fields.get("model name", "unknown CPU"), vector) if x)
 
 
 def main() -> None:
@@ -291,8 +310,7 @@ def main() -> None:
     console = Console(width=None if sys.stdout.isatty() else 160)
     torch.set_num_threads(args.threads)  # so bench_conditions reports the servers' thread count
     conditions = bench_conditions.start()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    cpu = cpu_name()
     console.print(f"[bold]L9 responsiveness[/]: {model_dir.name}, cpu float32, {args.threads} thread(s) per server; "
                   f"{cpu}; {args.duration:g} s per server of {args.clients} streams of {args.max_tokens} tokens, "
                   f"a hostile request every {args.hostile_interval:g} s, GET /health every "
@@ -301,9 +319,7 @@ def main() -> None:
     try:
         for ref in ([args.before] if args.before else []) + [None]:
             with tree(ref) as (label, serve):
-                t0 = time.perf_counter()
-                results[label] = measure(serve, model_dir, args)
-                console.print(f"  {label}: measured in {time.perf_counter() - t0:.0f} s (start, load, stop)")
+                results[label] = measure(serve, model_dir, args, console, label)
     except (CourseError, RuntimeError, httpx.HTTPError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
