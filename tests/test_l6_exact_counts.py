@@ -76,9 +76,9 @@ def test_same_step_arrivals_sharing_a_prefix(wait):
     wait_for_inflight (the default):
       step 1: A is admitted (empty cache): 5 tokens, 0 cached, 5 computed. Its forward fills k(1 2) and
               k(1 2 3 4), so they are in flight. B's first block is k(1 2): in flight, so B waits (one step
-              later it is a hit), and C and D wait behind it (the queue is FIFO).
+              later it is a hit), and so does C; D, which shares nothing, passes them: 0 cached, 3 computed.
       step 2: A's two blocks are registered. B looks (6-1)//2 = 2 deep: 2 hits, 4 cached, 2 computed.
-              C looks (5-1)//2 = 2 deep: 2 hits, 4 cached, 1 computed. D shares nothing: 0 cached, 3.
+              C looks (5-1)//2 = 2 deep: 2 hits, 4 cached, 1 computed.
               Totals: 5+6+5+3 = 19 tokens, 8 cached, 11 computed. B and C hold A's first two blocks.
     without it: all four are admitted at step 1 and nothing is cached yet: 19 tokens, 0 cached, 19 computed;
               B and C compute the prefix again into blocks of their own."""
@@ -87,10 +87,10 @@ def test_same_step_arrivals_sharing_a_prefix(wait):
     a, b, c, d = (e.add_request(p, StopRule(2)) for p in prompts)
     ledger.step()
     a_table = e.runner.last_rows[0][3]
-    assert counts(e) == ((5, 0, 5) if wait else (19, 0, 19))
+    assert counts(e) == ((8, 0, 8) if wait else (19, 0, 19))
     ledger.step()
     assert counts(e) == ((19, 8, 11) if wait else (19, 0, 19))
-    assert [s.admitted_at for s in (a, b, c, d)] == ([1, 2, 2, 2] if wait else [1, 1, 1, 1])
+    assert [s.admitted_at for s in (a, b, c, d)] == ([1, 2, 2, 1] if wait else [1, 1, 1, 1])
     tables = {row[0]: row[3] for row in e.runner.last_rows}
     if wait:  # B and C decode from A's blocks
         assert tables[b.seq_id][:2] == tables[c.seq_id][:2] == a_table[:2]

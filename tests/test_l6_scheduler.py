@@ -41,6 +41,7 @@ def check_shared_pool(engine) -> None:
     holders = [0] * m.num_blocks
     ids = [seq.seq_id for seq in sched.running]
     assert ids == sorted(ids), f"running is not in arrival order (forked siblings included): {ids}"
+    assert len(ids) <= sched.max_running, f"{len(ids)} running, max_running {sched.max_running} (siblings count)"
     for seq in sched.running:
         assert seq.status is Status.RUNNING
         assert len(set(seq.blocks)) == len(seq.blocks), "a table holds one block twice"

@@ -4,10 +4,17 @@ registration of blocks once their K/V is written, and forks for parallel samplin
 A request's bookkeeping in `seq.extra`: "keys", the hash-chain keys of its full blocks (tokens only grow,
 so they never go stale); "registered", how many of its leading blocks are hits or were offered to the
 cache; "forks", the sibling sequences (n > 1) waiting for this one's prefill.
+
+Admission is first come, first served with one exception: a request waiting for a block in flight is
+passed by those behind it (it is admitted once the block is written). Siblings that find no free slot at
+the fork wait in the queue in their place, so `waiting` and `running` are both kept in arrival order.
 """
 from __future__ import annotations
 
+from bisect import insort
+
 from lessons.l2_token_flat.engine import blocks_for
+from lessons.l4_continuous.sequence import Status
 from lessons.l5_preemption.scheduler import PreemptingScheduler
 from lessons.l6_prefix_sharing.block_manager import RefBlockManager
 from lessons.l6_prefix_sharing.prefix_cache import chain_keys
@@ -41,15 +48,16 @@ class PrefixScheduler(PreemptingScheduler):
     def admit(self) -> None:
         """Waiting requests in queue order (no swap in L6): cached prefix shared, only the rest allocated."""
         inflight = self.inflight_keys() if self.wait_for_inflight else set()
-        while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            hits, limit = self.match(seq), (seq.num_tokens - 1) // self.block_size
-            if len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight:
-                return  # its next block is being computed in this very step: one step later it is a hit
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_running:
+                return
+            hits = self.match(seq)
+            if self.waits_for(seq, hits, inflight):
+                continue  # one step later its next block is a hit; the requests behind it need not wait too
             fresh = blocks_for(seq.num_tokens, self.block_size) - len(hits)
             if fresh + self.revived(hits) > self.allocator.num_free:
-                return
-            self.waiting.popleft()
+                return  # head of line for memory: nothing younger overtakes it, or it could starve
+            self.waiting.remove(seq)
             self.allocator.share(hits)  # first: alloc below must not evict the blocks just hit
             seq.blocks = hits + self.allocator.alloc(fresh)
             seq.num_cached = len(hits) * self.block_size  # BatchMeta feeds num_cached .. num_tokens - 1
@@ -60,6 +68,23 @@ class PrefixScheduler(PreemptingScheduler):
             self._run(seq)
             if self.wait_for_inflight:
                 inflight |= self.pending_keys(seq)
+
+    def waits_for(self, seq: SharedSequence, hits: list[int], inflight: set[int]) -> bool:
+        """Whether the block after `seq`'s hits is being computed by a running request: then it waits and
+        hits that block once it is written, instead of computing it a second time."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        return len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight
+
+    def _run(self, seq: SharedSequence) -> None:
+        seq.status, seq.admitted_at = Status.RUNNING, self.step_no
+        insort(self.running, seq, key=lambda s: s.seq_id)  # an older request may be admitted after a younger one
+
+    def queue(self, seq: SharedSequence) -> None:
+        """Into `waiting` at its arrival place (a passed request, a sibling, a preempted one may be older
+        than some already queued)."""
+        seq.status = Status.WAITING
+        at = next((i for i, s in enumerate(self.waiting) if s.seq_id > seq.seq_id), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def pending_keys(self, seq: SharedSequence) -> set[int]:
         """Keys of the blocks this step's forward fills for `seq` (not cached yet: not written yet)."""
@@ -80,6 +105,8 @@ class PrefixScheduler(PreemptingScheduler):
     def preempt(self, seq: SharedSequence) -> None:
         super().preempt(seq)  # recompute: references returned, num_cached = 0; its cached blocks stay cached
         seq.extra["registered"] = 0
+        self.waiting.remove(seq)  # L5 put it at the front; an older request passed over may be queued
+        self.queue(seq)
 
     def register_written(self, batch: list[SharedSequence]) -> None:
         """After the forward: every block a request has now filled (num_cached // S of them) enters the
@@ -96,14 +123,18 @@ class PrefixScheduler(PreemptingScheduler):
 
     def fork(self, parent: SharedSequence) -> list[SharedSequence]:
         """Parallel sampling: right after the parent's prefill, its siblings join holding the same blocks,
-        the partly filled last one included. Whoever writes into that one first copies it (reserve)."""
+        the partly filled last one included. Whoever writes into that one first copies it (reserve).
+        Siblings count against max_running: those without a slot queue in their arrival place, holding
+        nothing, and are admitted like any request (their prompt then hits the blocks the parent cached).
+        Returns the siblings that joined: they sample their first token from the parent's logits."""
         children = parent.extra.pop("forks", [])
-        for child in children:
+        joined = children[:self.max_running - len(self.running)]
+        for child in joined:
             self.allocator.share(parent.blocks)
             child.blocks, child.num_cached = list(parent.blocks), parent.num_cached
             child.extra["keys"] = list(parent.extra.get("keys", []))
             child.extra["registered"] = parent.extra.get("registered", 0)
-            self._run(child)
-        if children:  # siblings take their ids' place, so `running` stays in arrival order (L5's victim rule)
-            self.running.sort(key=lambda s: s.seq_id)
-        return children
+            self._run(child)  # siblings take their ids' place: `running` stays in arrival order (L5's victim rule)
+        for child in children[len(joined):]:
+            self.queue(child)
+        return joined
