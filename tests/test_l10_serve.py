@@ -1,6 +1,7 @@
 """L10 through L9's server: `scripts/serve.py --tp 2` answers completions with HF's tokens (computed here, for
 each prompt alone), streamed or not, several at once; SIGTERM ends rank 0 with status 0 and its follower with it.
-A follower killed under a live server turns the next request into a 503 naming the failure, never a hang."""
+A follower killed under a live server turns the next request into a 503 naming the failure, never a hang; a
+server idle for longer than the step timeout keeps its follower and answers the next request."""
 from __future__ import annotations
 
 import asyncio
@@ -101,3 +102,22 @@ def test_a_dead_follower_fails_requests_with_503_not_a_hang(tokenizer):
     finally:
         server.stop()
     assert "error: tensor-parallel rank 0 of 2" in server.stderr_tail(20) and "Traceback" not in server.stderr_tail(20)
+
+
+def test_a_server_idle_longer_than_the_step_timeout_keeps_its_follower(tokenizer, hf, tiny_dir):
+    """Waiting for work is not a stalled step: a follower waits for the next step without a timeout, so a
+    server idle for longer than --tp-timeout still has its follower and answers with HF's tokens."""
+    ids = tokenizer.encode(PROMPTS[0]).ids
+    eos = frozenset(Qwen3Config.from_dir(tiny_dir).eos_token_ids)
+    server = ServerProcess(["--tp", "2", "--tp-timeout", "2"]).start()
+    try:
+        follower = follower_of(server.proc.pid)
+        time.sleep(5)  # idle for more than twice the step timeout
+        [got] = asyncio.run(complete_all(server.url, server.model, [ids], 6))
+        alive = [Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+                 for pid in (server.proc.pid, follower)]
+    finally:
+        status = server.stop()
+    assert got == hf.generate(ids, StopRule(6, eos, ignore_eos=True)).tokens
+    assert alive == [True, True]
+    assert status == 0, server.stderr_tail()

@@ -18,9 +18,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -151,6 +154,44 @@ def test_forked_sampling_copies_on_write_on_every_rank(tp_engine, tiny_model, hf
     assert outs["L10"] == outs["L8"]
     assert outs["L10"][2] == hf.generate(prompt_ids[1], stop).tokens
     assert outs["L10"][0] != outs["L10"][1] and all(len(k) == NEW for k in outs["L10"])
+
+
+# --- what the ranks expose ------------------------------------------------------------------------------------
+
+
+def listening(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} writes them) of the TCP sockets pid listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed while we looked
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, and one of pid's sockets
+                found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::1
+
+
+def test_the_ranks_listen_on_loopback_only_and_meet_at_a_private_store(tp_engine):
+    """No listening socket of either rank is reachable from another machine (a TCPStore listens on every
+    interface, unauthenticated; gloo binds where GLOO_SOCKET_IFNAME says), and the store is a file in a
+    folder only this user can enter."""
+    [rank1] = [p for p in multiprocessing.active_children() if p.name == "tp-rank-1"]
+    addresses = {pid: listening(pid) for pid in (os.getpid(), rank1.pid)}
+    assert all(addresses.values()), f"each rank listens for its peers (gloo): {addresses}"
+    assert all(a in LOOPBACK for found in addresses.values() for a in found), addresses
+    folders = [Path(tempfile.gettempdir()) / d for d in os.listdir(tempfile.gettempdir()) if d.startswith("l10-tp-")]
+    mine = [f for f in folders if f.stat().st_uid == os.getuid() and (f / "store").exists()]
+    assert mine and all(stat.S_IMODE(f.stat().st_mode) == 0o700 for f in mine), mine
 
 
 # --- scripts/l10_smoke.py, each run a process of its own ----------------------------------------------------
