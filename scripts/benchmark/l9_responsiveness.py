@@ -15,9 +15,10 @@ process with httpx:
     arrays in an unknown field, and fields of the wrong types; their status codes are counted (5xx apart);
   - a probe: GET /health every --probe-interval seconds, one at a time, each latency kept.
 Reported per server: /health p50/p99/max, every stream's worst gap (max and p99 over streams), tokens/s (chunks
-that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts, and the
-client's own CPU share and event-loop lag (a lag near /health's latency means the client, not the server, is
-slow). Target (a benchmark, not a test): /health p99 <= 20 ms and max <= 100 ms under this load.
+that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts and each
+kind's median latency, and the client's own CPU share and event-loop lag (a lag near /health's latency means
+the client, not the server, is slow). The start, load and stop times of each server are printed as they pass.
+Target (a benchmark, not a test): /health p99 <= 20 ms and max <= 100 ms under this load.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class Measured:
     streams_done: int = 0
     stream_errors: Counter = field(default_factory=Counter)
     hostile: dict[str, Counter] = field(default_factory=dict)  # kind -> status -> count
+    hostile_ms: dict[str, list[float]] = field(default_factory=dict)  # kind -> each one's latency
     client_cpu: float = 0.0  # this process's CPU seconds per wall second
     lag_ms: list[float] = field(default_factory=list)  # the client event loop's lateness on 5 ms sleeps
 
@@ -115,12 +117,14 @@ async def hostile(client: httpx.AsyncClient, bodies: list[tuple[str, bytes]], in
     t, i = time.perf_counter(), 0
     while time.perf_counter() < deadline:
         kind, body = bodies[i % len(bodies)]
+        sent = time.perf_counter()
         try:
             status = str((await client.post("/v1/completions", content=body,
                                             headers={"content-type": "application/json"})).status_code)
         except httpx.HTTPError as e:
             status = outcome(e)
         m.hostile.setdefault(kind, Counter())[status] += 1
+        m.hostile_ms.setdefault(kind, []).append((time.perf_counter() - sent) * 1e3)
         i, t = i + 1, t + interval
         await asyncio.sleep(max(0.0, min(t, deadline) - time.perf_counter()))
 
@@ -251,7 +255,8 @@ def show(console: Console, results: dict[str, tuple[Measured, str]]) -> dict[str
     console.print(t)
     for label, (m, backend) in results.items():
         console.print(f"{label}, backend {backend}; hostile statuses: " + "; ".join(
-            f"{kind}: " + ", ".join(f"{s} x{n}" for s, n in sorted(c.items())) for kind, c in m.hostile.items()))
+            f"{kind}: " + ", ".join(f"{s} x{n}" for s, n in sorted(c.items()))
+            + f" (median {np.median(m.hostile_ms[kind]):,.0f} ms)" for kind, c in m.hostile.items()))
         if m.stream_errors:
             console.print(f"  stream errors: {dict(m.stream_errors)}")
         s = sums[label]
