@@ -5,8 +5,9 @@ loop: every client would freeze for every step. It runs in a thread of its own i
 
   inbox (thread-safe queue.Queue)    handlers put ("submit", ...) and ("abort", id); the engine thread
                                      drains it between steps, so the engine never changes under a step
-  each request's asyncio.Queue       the engine thread puts events with call_soon_threadsafe; the handler
-                                     awaits them (Accepted or Failed first, then Deltas, then Finished)
+  each request's EventBuffer         the engine thread puts events with call_soon_threadsafe; the handler
+                                     awaits them (Accepted or Failed first, then Deltas, then Finished);
+                                     a reader that lags gets its Deltas merged, one that stalls is cut
 
 After each step the thread turns every choice's new tokens into text (detokenizer, then stop strings), so
 a stop string ends its sequence in the same step the text shows it, with no round trip to a handler.
@@ -20,7 +21,9 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from lessons.l4_continuous.sequence import Status
 from lessons.l6_prefix_sharing.sequence import SharedSequence
@@ -64,15 +67,93 @@ class Failed:
 Event = Accepted | Delta | Finished | Failed
 
 
+class EventBuffer:
+    """One request's events on the event loop, in order; a lagging reader's Deltas merged, its lag bounded.
+
+    A client that reads slowly, or not at all, blocks its stream at the socket while the engine runs on: a
+    plain queue would grow by a Delta per choice per step for as long as the request runs. Here, once
+    MERGE_AFTER entries wait, a new Delta joins its choice's last waiting Delta (text joined, tokens
+    extended, the finish reason kept), as vLLM's output collector does, so no more than MERGE_AFTER + one per
+    choice + Accepted + the final event ever wait. A reader `max_lag` tokens behind in one choice is cut:
+    `on_lag` runs once (the app aborts the request) and a Failed follows what waits; nothing after it.
+    """
+
+    MERGE_AFTER = 16  # below this, a reader that keeps up gets one Delta per step, as the engine made them
+
+    def __init__(self) -> None:
+        self._entries: deque[Event] = deque()
+        self._last: dict[int, Delta] = {}  # choice index -> its newest Delta still waiting
+        self._lag: dict[int, int] = {}  # choice index -> its tokens waiting
+        self._ready = asyncio.Event()
+        self.closed = False  # a final event waits or was taken: nothing more is kept
+        self.finished = False  # the reader has taken the final event (Finished or Failed)
+        self.max_lag: int | None = None  # None: no bound (a whole response gathers everything anyway)
+        self.on_lag: Callable[[], None] | None = None
+
+    def qsize(self) -> int:
+        return len(self._entries)
+
+    def push(self, event: Event) -> None:
+        """Called on the event loop, for each event the engine thread sends."""
+        if self.closed:  # a reader cut for lag: the engine's events until its abort lands go nowhere
+            return
+        if isinstance(event, Delta):
+            lag = self._lag[event.index] = self._lag.get(event.index, 0) + len(event.token_ids)
+            if self.max_lag is not None and lag > self.max_lag:
+                self.closed = True
+                self._append(Failed(ApiError(503, f"the client fell more than {self.max_lag} tokens behind its "
+                                                  f"stream; the request was aborted", kind="server_error",
+                                             code="slow_reader")))
+                if self.on_lag is not None:
+                    self.on_lag()
+                return
+            waiting = self._last.get(event.index)
+            if waiting is not None and len(self._entries) >= self.MERGE_AFTER:
+                waiting.text += event.text
+                waiting.token_ids.extend(event.token_ids)  # a slice the engine made for this Delta alone
+                waiting.finish_reason = waiting.finish_reason or event.finish_reason
+                return
+            self._last[event.index] = event
+        elif isinstance(event, (Finished, Failed)):
+            self.closed = True
+        self._append(event)
+
+    def _append(self, event: Event) -> None:
+        self._entries.append(event)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._entries
+
+    async def get(self) -> Event:
+        """The oldest event, waiting for one if none is there. Cancelling the wait loses nothing."""
+        while not self._entries:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.get_nowait()
+
+    def get_nowait(self) -> Event:
+        """The oldest event; asyncio.QueueEmpty if none is there."""
+        if not self._entries:
+            raise asyncio.QueueEmpty
+        event = self._entries.popleft()
+        if isinstance(event, Delta):
+            self._lag[event.index] -= len(event.token_ids)
+            if self._last.get(event.index) is event:
+                del self._last[event.index]
+        self.finished |= isinstance(event, (Finished, Failed))
+        return event
+
+
 class Subscriber:
-    """The handler's end: an asyncio.Queue, filled from the engine thread."""
+    """The handler's end: an EventBuffer on the event loop, filled from the engine thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.events = loop, asyncio.Queue()
+        self.loop, self.events = loop, EventBuffer()
 
     def put(self, event: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.push, event)
         except RuntimeError:  # the event loop has closed (the server is exiting): nobody is listening
             pass
 

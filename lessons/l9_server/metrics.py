@@ -33,6 +33,8 @@ class ServerMetrics:
                                    registry=r)
         self.requests = Counter(PREFIX + "requests_finished", "Requests ended, by finish reason.", ["reason"],
                                 registry=r)
+        self.slow_readers = Counter(PREFIX + "slow_readers", "Streams cut (their requests aborted) because the client "
+                                    "fell too far behind.", registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before reaching the engine.",
                                 ["status"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "From arrival to the first token.",

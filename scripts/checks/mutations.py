@@ -329,7 +329,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("l8-admission-uncharged", "L8 chunked prefill", "a slice does not charge the budget",
              L8S, "self.budget -= piece.num_tokens - piece.num_cached", "pass", L8_RANDOM),
     Mutation("l9-ex-no-abort", "L9 exercise", "a stream whose client disconnects is never aborted",
-             "lessons/l9_server/app.py", "            if not done:\n                loop.abort(request_id)",
+             "lessons/l9_server/app.py", "            if not self.events.finished:\n                self.abort()",
              "            pass", ("tests/test_l9_server.py", "-k", "abort_mid_stream or abort_mid_prefill")),
     Mutation("l9-abort-keeps-blocks", "L9 serving", "abort removes a running request but never frees its blocks",
              "lessons/l9_server/engine.py", "                self.allocator.free(seq.blocks)\n", "",
