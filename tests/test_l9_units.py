@@ -322,7 +322,7 @@ BAD_COMPLETIONS = [
     ({"stream": "yes"}, "stream"), ({"stream": 1}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ({"stream": True, "stream_options": ["include_usage"]}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"ignore_eos": "no"}, "ignore_eos"), ({"return_token_ids": 1}, "return_token_ids"),
@@ -467,11 +467,11 @@ def test_chat_template_kwargs_must_be_an_object_even_when_falsy():
 
 
 def test_a_good_chat_parses_to_messages_kwargs_and_a_request():
-    """Text parts are joined into one string; name is allowed and dropped; max_completion_tokens sets
+    """Text parts are joined into one string; an empty name asks for nothing; max_completion_tokens sets
     max_tokens; chat_template_kwargs passes through; the prompt is left for the template."""
     messages, kwargs, r = parse_chat({**CHAT, "messages": [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "name": "ann",
+        {"role": "user", "name": "",
          "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]},
     ], "max_completion_tokens": 9, "chat_template_kwargs": {"enable_thinking": False}}, 16)
     assert messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello, you"}]

@@ -1,9 +1,11 @@
 """The OpenAI request bodies, checked field by field into what the engine takes.
 
-Every bad value becomes an ApiError naming its field, which the app turns into OpenAI's error object. A
-field this server does not implement is refused by name when it asks for something (logprobs: true,
-tools, a penalty), never silently ignored; given with its do-nothing value (logprobs: false, a penalty of
-0) it is accepted. A field no version of the API defines is refused too: it is most likely a typo.
+Every bad value becomes an ApiError naming its field, which the app turns into OpenAI's error object. Each
+field a client may send (OpenAI's API, and the vLLM extensions real clients send) is in one group below:
+IMPLEMENTED does what the API says; IGNORED changes nothing the server returns (bookkeeping, routing and
+caching hints), so any value is accepted; NEUTRAL would change the output and the server cannot do it, so
+it is refused by name unless given its do-nothing value (logprobs: false, a penalty of 0). Only a field in
+no group is "unknown": no version of the API nor vLLM defines it, so it is most likely a typo.
 """
 from __future__ import annotations
 
@@ -14,16 +16,34 @@ from shared.errors import CourseError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 
-# Fields accepted by both endpoints; extensions beyond OpenAI's API are vLLM's names for the same things.
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+# IMPLEMENTED. Extensions beyond OpenAI's API are vLLM's names for the same things.
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "top_k", "stop_token_ids", "ignore_eos", "return_token_ids"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
-# Defined by the API, not implemented here: refused unless given the value that asks for nothing.
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}  # continuous_usage_stats: vLLM's, usage on every chunk
+# IGNORED, whatever their value: who asks (user, safety_identifier, metadata), what OpenAI keeps or bills
+# (store, service_tier), how fast an answer may come (prompt_cache_*, prediction: the output is the same).
+# spaces_between_special_tokens (vLLM) only matters for special tokens in the text, and this server never
+# shows them.
+IGNORED = {"user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_key",
+           "prompt_cache_retention", "prompt_cache_options", "prediction", "spaces_between_special_tokens"}
+# include_obfuscation pads each chunk with a random string hiding its size on the wire; OpenAI sends it
+# unless told not to, and no client reads it, so either value is accepted and no padding is sent.
+IGNORED_STREAM_OPTIONS = {"include_obfuscation"}
+# NEUTRAL: would change the output, so refused unless given the value that asks for nothing. OpenAI's first,
+# then vLLM's extensions. reasoning_effort: a Qwen3 template thinks or not by chat_template_kwargs.
 NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
            "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
            "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-           "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none")}
+           "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none"),
+           "reasoning_effort": (None,), "verbosity": (None,), "modalities": (None, ["text"]), "audio": (None,),
+           "web_search_options": (None,), "moderation": (None,),
+           "min_tokens": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0), "length_penalty": (None, 1),
+           "use_beam_search": (None, False), "skip_special_tokens": (None, True),
+           "include_stop_str_in_output": (None, False), "add_generation_prompt": (None, True),
+           "continue_final_message": (None, False), "truncate_prompt_tokens": (None,)}
+NEUTRAL_HINTS = {"reasoning_effort": ": pass chat_template_kwargs {\"enable_thinking\": false} to turn thinking off"}
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -52,6 +72,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
 
 
 def parse_completion(body: dict, default_max_tokens: int) -> GenerationRequest:
@@ -75,14 +96,20 @@ def parse_chat(body: dict, default_max_tokens: int) -> tuple[list[dict], dict, G
 
 def check_fields(body: dict, allowed: set[str]) -> None:
     for name, value in body.items():
-        if name in allowed:
+        if name in allowed or name in IGNORED:
             continue
         if name in NEUTRAL:
-            # 0.0 is a penalty of 0, but true is not a best_of of 1: bools only match bools
-            if value is None or any(value == v and (type(value) is bool) == (type(v) is bool) for v in NEUTRAL[name]):
-                continue
-            raise ApiError(400, f"{name} is not supported by this server", name)
-        raise ApiError(400, f"unknown field {name!r}", name)
+            if not neutral(value, NEUTRAL[name]):
+                raise ApiError(400, f"{name} is not supported by this server{NEUTRAL_HINTS.get(name, '')}", name)
+        elif name in COMPLETION_FIELDS | CHAT_FIELDS:  # the other endpoint's field
+            raise ApiError(400, f"{name} is not a field of this endpoint", name)
+        else:
+            raise ApiError(400, f"unknown field {name!r}: neither OpenAI's API nor vLLM defines it", name)
+
+
+def neutral(value: object, do_nothing: tuple) -> bool:
+    # 0.0 is a penalty of 0, but true is not a best_of of 1: bools only match bools
+    return value is None or any(value == v and (type(value) is bool) == (type(v) is bool) for v in do_nothing)
 
 
 def parse_common(body: dict, prompt: str | list[int], default_max_tokens: int,
@@ -102,9 +129,15 @@ def parse_common(body: dict, prompt: str | list[int], default_max_tokens: int,
     if options is not None:
         if not stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise ApiError(400, "stream_options may only hold include_usage", "stream_options")
-    include_usage = boolean(options or {}, "include_usage", name="stream_options.include_usage")
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
+        for name in options:
+            if name not in STREAM_OPTIONS | IGNORED_STREAM_OPTIONS:
+                raise ApiError(400, f"unknown field stream_options.{name}", f"stream_options.{name}")
+    options = options or {}
+    include_usage = boolean(options, "include_usage", name="stream_options.include_usage")
+    continuous_usage = boolean(options, "continuous_usage_stats", name="stream_options.continuous_usage_stats")
+    boolean(options, "include_obfuscation", name="stream_options.include_obfuscation")  # checked, then ignored
     stop_ids = body.get("stop_token_ids")
     stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
@@ -114,7 +147,8 @@ def parse_common(body: dict, prompt: str | list[int], default_max_tokens: int,
     except CourseError as e:  # unreachable after the checks above, kept so a new rule there names itself
         raise ApiError(400, str(e)) from None
     return GenerationRequest(prompt, max_tokens, sampling, n, stop_strings(body.get("stop")),
-                             boolean(body, "ignore_eos"), stream, include_usage, boolean(body, "return_token_ids"))
+                             boolean(body, "ignore_eos"), stream, include_usage, boolean(body, "return_token_ids"),
+                             continuous_usage)
 
 
 def completion_prompt(prompt: object) -> str | list[int]:
@@ -141,6 +175,11 @@ def chat_messages(messages: object) -> list[dict]:
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise ApiError(400, f"{where}.{sorted(extra)[0]} is not supported by this server", f"{where}.{sorted(extra)[0]}")
+        # name tells the model who speaks, but Qwen3's templates never show it to the model: the output would
+        # be as if it were absent, so it is refused rather than dropped. An empty name asks for nothing.
+        if m.get("name") not in (None, ""):
+            raise ApiError(400, f"{where}.name is not supported by this server (the chat template ignores it): "
+                                "say who speaks in the content", f"{where}.name")
         out.append({"role": m["role"], "content": message_text(m.get("content"), f"{where}.content")})
     return out
 
@@ -157,6 +196,39 @@ def message_text(content: object, where: str) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+
+
+def check_strings(body: object) -> None:
+    """Refuse a lone UTF-16 surrogate ("\\ud800", legal JSON) in any key or string of the parsed body: no
+    UTF-8 text holds one, so the tokenizer, and the error reply itself, would fail on it. A loop with a
+    stack, not recursion: json.loads accepts nesting close to the interpreter's recursion limit."""
+    stack: list[tuple[object, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                if not is_utf8(key):
+                    raise ApiError(400, f"the field name {printable(key)} holds a lone UTF-16 surrogate",
+                                   printable(where))
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value) if isinstance(item, (str, list, dict)))
+        elif isinstance(value, str) and not is_utf8(value):
+            raise ApiError(400, f"{path} holds a lone UTF-16 surrogate, which is not text", path)
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def printable(text: str) -> str:
+    """The text with any lone surrogate written as its escape, so that the error reply can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:

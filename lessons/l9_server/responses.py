@@ -3,7 +3,8 @@
 Completions answer `text_completion` objects; chat answers `chat.completion`, or `chat.completion.chunk`
 when streaming. A stream is a series of `data: {json}` events, each ended by a blank line, closed by
 `data: [DONE]`. With stream_options.include_usage every chunk carries "usage": null except one last chunk,
-with no choices, that carries the usage.
+with no choices, that carries the usage. With vLLM's stream_options.continuous_usage_stats every chunk
+carries the usage so far instead: the prompt's tokens and those generated up to that chunk.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class ResponseShape:
     """Builds one request's objects: the same id, creation time and model name on every one of them."""
 
-    def __init__(self, chat: bool, model: str, return_token_ids: bool):
+    def __init__(self, chat: bool, model: str, return_token_ids: bool, prompt_tokens: int = 0):
         self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.prompt_tokens = prompt_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -51,8 +53,9 @@ class ResponseShape:
         return out
 
     def chunk(self, index: int, text: str | None, token_ids: list[int], finish: str | None, include_usage: bool,
-              first: bool = False) -> dict:
-        """One choice's piece. Chat: the first chunk of a choice gives the role, the others only content."""
+              first: bool = False, generated: int | None = None) -> dict:
+        """One choice's piece. Chat: the first chunk of a choice gives the role, the others only content.
+        `generated`: the tokens generated so far, for a usage object on this chunk (continuous_usage_stats)."""
         choice: dict = {"index": index, "logprobs": None, "finish_reason": finish}
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
@@ -64,7 +67,9 @@ class ResponseShape:
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
-        if include_usage:
+        if generated is not None:
+            out["usage"] = usage(self.prompt_tokens, generated)
+        elif include_usage:
             out["usage"] = None
         return out
 
