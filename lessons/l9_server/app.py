@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -26,11 +27,15 @@ from tokenizers import Tokenizer
 from lessons.l4_continuous.engine import check_token_ids
 from lessons.l6_prefix_sharing.engine import check_n
 from lessons.l9_server.chat import ChatTemplate
-from lessons.l9_server.engine_loop import RETRY_AFTER_S, Accepted, Delta, EngineLoop, Failed, Finished, Subscriber
+from lessons.l9_server.engine_loop import (RETRY_AFTER_S, Accepted, Delta, EngineLoop, EventBuffer, Failed, Finished,
+                                           Subscriber)
 from lessons.l9_server.protocol import ApiError, GenerationRequest, check_strings, parse_chat, parse_completion
 from lessons.l9_server.responses import ResponseShape, sse
 from shared.errors import CourseError
 
+# A stream's client that lets this many tokens of one choice pile up unread (its socket full: it reads
+# slowly, or not at all) is cut; a client that reads keeps up with any engine, so only a stuck one gets here.
+MAX_STREAM_LAG = 1024
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: about 200,000 tokens of text, far past any context served here
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a UTF-16 surrogate, lone or paired, is written in JSON
 
@@ -139,42 +144,46 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
             raise first.error
         shape = ResponseShape(chat, model.name, req.return_token_ids, len(ids))
         if req.stream:
-            return StreamingResponse(stream(shape, req, subscriber, request_id), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return AbortingStream(stream(shape, req, subscriber, request_id), subscriber.events,
+                                  lambda: loop.abort(request_id))
         return await whole(request, shape, req, ids, subscriber, request_id)
 
     async def stream(shape: ResponseShape, req: GenerationRequest, subscriber: Subscriber,
                      request_id: int) -> AsyncIterator[str]:
-        """SSE chunks. Starlette cancels this generator when the client disconnects: `finally` aborts."""
+        """SSE chunks; AbortingStream aborts the request if the client leaves first. A client that falls
+        MAX_STREAM_LAG tokens behind is cut: one line in the log, a count in /metrics, its request aborted."""
+        def cut() -> None:
+            print(f"request {request_id}: its client fell {MAX_STREAM_LAG} tokens behind the stream; aborted "
+                  f"(slow reader)", file=sys.stderr, flush=True)
+            loop.metrics.slow_readers.inc()
+            loop.abort(request_id)
+
+        subscriber.events.max_lag, subscriber.events.on_lag = MAX_STREAM_LAG, cut
         done = False
         started: set[int] = set()
         generated = 0  # tokens of all choices so far: stream_options.continuous_usage_stats reports them
-        try:
-            if shape.chat:  # the role first, as OpenAI does, so a client can render the turn at once
-                for i in range(req.n):
-                    yield sse(shape.chunk(i, None, [], None, req.include_usage, first=True,
-                                          generated=0 if req.continuous_usage else None))
-                started = set(range(req.n))
-            while not done:
-                event = await subscriber.events.get()
-                if isinstance(event, Delta):
-                    generated += len(event.token_ids)
-                    if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):
-                        yield sse(shape.chunk(event.index, event.text, event.token_ids, event.finish_reason,
-                                              req.include_usage, first=event.index not in started,
-                                              generated=generated if req.continuous_usage else None))
-                        started.add(event.index)
-                elif isinstance(event, Finished):
-                    if req.include_usage:
-                        yield sse(shape.usage_chunk(event.prompt_tokens, event.completion_tokens))
-                    done = True
-                elif isinstance(event, Failed):  # the engine failed mid-stream: say so in-band, then end
-                    yield sse(event.error.body())
-                    done = True
-            yield sse("[DONE]")
-        finally:
-            if not done:
-                loop.abort(request_id)
+        if shape.chat:  # the role first, as OpenAI does, so a client can render the turn at once
+            for i in range(req.n):
+                yield sse(shape.chunk(i, None, [], None, req.include_usage, first=True,
+                                      generated=0 if req.continuous_usage else None))
+            started = set(range(req.n))
+        while not done:
+            event = await subscriber.events.get()
+            if isinstance(event, Delta):
+                generated += len(event.token_ids)
+                if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):
+                    yield sse(shape.chunk(event.index, event.text, event.token_ids, event.finish_reason,
+                                          req.include_usage, first=event.index not in started,
+                                          generated=generated if req.continuous_usage else None))
+                    started.add(event.index)
+            elif isinstance(event, Finished):
+                if req.include_usage:
+                    yield sse(shape.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                done = True
+            elif isinstance(event, Failed):  # the engine failed, or this client fell behind: say so in-band
+                yield sse(event.error.body())
+                done = True
+        yield sse("[DONE]")  # after an error event too, as vLLM does: clients wait for it to end the stream
 
     async def whole(request: Request, shape: ResponseShape, req: GenerationRequest, ids: list[int],
                     subscriber: Subscriber, request_id: int) -> Response:
@@ -203,6 +212,24 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
                 loop.abort(request_id)
 
     return app
+
+
+class AbortingStream(StreamingResponse):
+    """An SSE response that aborts its request however it ends before the reader took the final event.
+
+    The generator's own `finally` is not enough: Starlette cancels the response when the client leaves,
+    and a generator cancelled before its first step never runs its body, so never its `finally` either."""
+
+    def __init__(self, content: AsyncIterator[str], events: EventBuffer, abort: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events, self.abort = events, abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # a disconnect, a send that failed, or the task cancelled (a shutdown past its grace period)
+            if not self.events.finished:
+                self.abort()
 
 
 def check_request(ids: list[int], req: GenerationRequest, model: ServedModel) -> None:
