@@ -4,7 +4,8 @@ a few exact schedules.
 Random workloads (block sizes 1-8, pools small enough to preempt, budgets 1-40, an optional per-slice cap,
 1-6 running, staggered arrivals, shared prefixes and duplicate prompts, greedy) are driven step by step,
 and every plan the scheduler returns is audited before and after the forward (`Audit`):
-  - a step's tokens never exceed the budget, and no prompt slice exceeds max_slice_tokens;
+  - a step's tokens never exceed the budget, and no prompt slice exceeds max_slice_tokens (or, with a
+    long-prompt limit, its threshold); at most max_long_prefills long prompts are part-way through;
   - decodes first: if a running decode was left out, no prompt slice ran and decodes used the whole budget;
   - fair rotation: a decode left out was fed no less long ago than every decode fed (ties: the older first);
   - no idle budget: a step below the budget fed every running request; a step with work is never empty;
@@ -52,7 +53,7 @@ class Audit:
 
     def __init__(self, engine):
         self.engine = engine
-        self.budget, self.cap = engine.max_batched_tokens, engine.max_slice_tokens
+        self.budget, self.cap = engine.max_batched_tokens, engine.scheduler.slice_cap
         self.last_fed: dict[int, int] = {}  # seq_id -> the latest step whose plan held a slice of it
         self.slices: dict[int, int] = {}  # seq_id -> prompt slices seen
         self.rows: list[tuple] = []  # the current plan: (seq, start, end, decode, samples)
@@ -74,6 +75,9 @@ class Audit:
         self.rows = [(p.seq, p.num_cached, p.num_tokens, p.decode, p.samples) for p in plan]
         seqs = [p.seq for p in plan]
         assert len({id(s) for s in seqs}) == len(seqs), f"step {step}: a request has two slices"
+        if sched.max_long_prefills is not None:
+            longs = [s.seq_id for s in sched.running if s.num_tokens - s.num_cached > sched.long_prefill_threshold]
+            assert len(longs) <= sched.max_long_prefills, f"step {step}: long prompts {longs} part-way through"
         total = sum(end - start for _, start, end, _, _ in self.rows)
         assert total <= self.budget, f"step {step}: {total} tokens over the budget {self.budget}"
         for p, (seq, start, end, decode, samples) in zip(plan, self.rows):
@@ -153,6 +157,7 @@ def check_pool(engine) -> None:
     holders[engine.dummy_block] = 1
     ids = [seq.seq_id for seq in sched.running]
     assert ids == sorted(ids), f"running is not in arrival order: {ids}"
+    assert len(ids) <= sched.max_running, f"{len(ids)} running, max_running {sched.max_running} (siblings count)"
     for seq in sched.running:
         assert seq.status is Status.RUNNING
         assert seq.num_cached <= seq.num_tokens, f"request {seq.seq_id}: computed count past its token count"
@@ -209,6 +214,14 @@ def workload(rng: random.Random, n: int, S: int, cap: int, span: int) -> list[tu
     return out
 
 
+def long_limit(seed: int) -> dict:
+    """Every third workload limits long prompts (its own generator: the others' workloads stay as they were)."""
+    rng = random.Random(-1 - seed)
+    if seed % 3:
+        return {}
+    return dict(max_long_prefills=rng.randint(1, 2), long_prefill_threshold=rng.randint(1, 12))
+
+
 def run_one(seed: int) -> tuple[FakeL8, Audit]:
     rng = random.Random(seed)
     S = rng.randint(1, 8)
@@ -216,7 +229,7 @@ def run_one(seed: int) -> tuple[FakeL8, Audit]:
     engine = fake_l8(S, num_blocks, max_running=rng.randint(1, 6), max_batched_tokens=rng.randint(1, 40),
                      max_slice_tokens=rng.choice([None, None, rng.randint(1, 12)]),
                      hash_fn=HASHES[rng.choice(["blake2b", "blake2b", "blake2b", "always 0"])],
-                     wait_for_inflight=rng.random() < 0.7)
+                     wait_for_inflight=rng.random() < 0.7, **long_limit(seed))
     arrivals = workload(rng, rng.randint(2, 8), S, num_blocks * S, span=rng.randint(0, 10))
     seqs, audit = drive(engine, arrivals)
     for (a, n), group in zip(arrivals, seqs):

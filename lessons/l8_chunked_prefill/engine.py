@@ -9,7 +9,7 @@ from lessons.l6_prefix_sharing.scheduler import PrefixScheduler
 from lessons.l6_prefix_sharing.sequence import SharedSequence
 from lessons.l7_cuda_graphs.engine import L7Engine
 from lessons.l8_chunked_prefill.runner import ChunkedRunner
-from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS, ChunkedScheduler, check_budget
+from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS, ChunkedScheduler, check_budget, check_long_prefills
 from lessons.l8_chunked_prefill.timing import RequestTiming
 from shared.generation import StopRule
 
@@ -18,10 +18,13 @@ class L8Engine(L7Engine):
     runner_class = ChunkedRunner
 
     def __init__(self, *args, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-                 max_slice_tokens: int | None = None, timer: Callable[[], float] = time.perf_counter, **kwargs):
+                 max_slice_tokens: int | None = None, max_long_prefills: int | None = None,
+                 long_prefill_threshold: int | None = None, timer: Callable[[], float] = time.perf_counter, **kwargs):
         check_budget(max_batched_tokens, "max-batched-tokens")  # before the pool and the graphs are built
         check_budget(max_slice_tokens, "max-slice-tokens", allow_none=True)
+        check_long_prefills(max_long_prefills, long_prefill_threshold)
         self.max_batched_tokens, self.max_slice_tokens, self.timer = max_batched_tokens, max_slice_tokens, timer
+        self.max_long_prefills, self.long_prefill_threshold = max_long_prefills, long_prefill_threshold
         self.timing: dict[int, RequestTiming] = {}  # seq_id -> when it arrived and when each token came
         self.prompt_slices: dict[int, int] = {}  # seq_id -> steps that computed part of its prompt
         self.step_tokens: list[int] = []  # per step: tokens computed (never above the budget)
@@ -30,7 +33,8 @@ class L8Engine(L7Engine):
     def make_scheduler(self, max_running: int) -> PrefixScheduler:
         super().make_scheduler(max_running)  # L6's builds the stats, the prefix cache and the ref-counted manager
         return ChunkedScheduler(self.allocator, self.block_size, max_running, self.stats, self.wait_for_inflight,
-                                self.max_batched_tokens, self.max_slice_tokens)
+                                self.max_batched_tokens, self.max_slice_tokens, self.max_long_prefills,
+                                self.long_prefill_threshold)
 
     def add_parallel(self, prompt_ids: list[int], stop: StopRule, sampling: SamplingParams = SamplingParams(),
                      n: int = 1) -> list[SharedSequence]:

@@ -9,6 +9,11 @@ spends at most `max_batched_tokens` tokens, in this order:
 Each of 2 and 3 takes what it still needs, capped by what is left of the budget and by the optional
 per-request `max_slice_tokens`. Blocks are reserved for each slice's end, not the whole prompt.
 
+Optionally (`max_long_prefills` K with `long_prefill_threshold` T, vLLM's max_long_partial_prefills and
+long_prefill_token_threshold): a prompt with more than T tokens still to compute is long; a slice is at
+most T tokens, and at most K long prompts are part-way through at once. A long waiting prompt beyond
+them is passed by the shorter ones behind it, so short prompts are not queued behind long ones.
+
 When a slice cannot get its blocks the youngest running request is preempted (L5's victim rule,
 recompute only, as in L6); if it was already scheduled this step its tokens go back to the budget. The
 oldest request always gets its blocks, so the run always progresses.
@@ -34,12 +39,26 @@ def check_budget(value: object, name: str, allow_none: bool = False) -> None:
         raise CourseError(f"{name} must be an integer of at least 1, got {value!r}")
 
 
+def check_long_prefills(max_long_prefills: object, threshold: object) -> None:
+    """The two go together: a limit on long prompts needs what "long" means, and the reverse."""
+    check_budget(max_long_prefills, "max-long-prefills", allow_none=True)
+    check_budget(threshold, "long-prefill-threshold", allow_none=True)
+    if (max_long_prefills is None) != (threshold is None):
+        given, value, missing = (("max-long-prefills", max_long_prefills, "long-prefill-threshold") if threshold is None
+                                 else ("long-prefill-threshold", threshold, "max-long-prefills"))
+        raise CourseError(f"{given} {value!r} needs {missing} too: the limit and what counts as long go together")
+
+
 class ChunkedScheduler(PrefixScheduler):
     def __init__(self, manager: RefBlockManager, block_size: int, max_running: int, stats: PrefixStats,
                  wait_for_inflight: bool = True, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-                 max_slice_tokens: int | None = None):
+                 max_slice_tokens: int | None = None, max_long_prefills: int | None = None,
+                 long_prefill_threshold: int | None = None):
         super().__init__(manager, block_size, max_running, stats, wait_for_inflight)  # budgets: L8Engine checks them
         self.max_batched_tokens, self.max_slice_tokens = max_batched_tokens, max_slice_tokens
+        self.max_long_prefills, self.long_prefill_threshold = max_long_prefills, long_prefill_threshold
+        caps = [c for c in (max_slice_tokens, long_prefill_threshold) if c is not None]
+        self.slice_cap = min(caps) if caps else None  # no prompt slice is longer
         self.budget = 0  # tokens left in the step being scheduled
         self.plan: list[Slice] = []  # the step being scheduled
 
@@ -66,7 +85,10 @@ class ChunkedScheduler(PrefixScheduler):
 
     def slice_size(self, remaining: int) -> int:
         n = min(remaining, self.budget)
-        return n if self.max_slice_tokens is None else min(n, self.max_slice_tokens)
+        return n if self.slice_cap is None else min(n, self.slice_cap)
+
+    def is_long(self, seq: SharedSequence, cached: int) -> bool:
+        return self.long_prefill_threshold is not None and seq.num_tokens - cached > self.long_prefill_threshold
 
     def take(self, piece: Slice) -> None:
         piece.seq.extra["fed_at"] = self.step_no
@@ -100,19 +122,24 @@ class ChunkedScheduler(PrefixScheduler):
         """L6's admission with a budget: the cache hit is applied first, then the first slice is sized from
         what is left (so a hit shortens the slice), and only that slice's blocks are allocated."""
         inflight = self.inflight_keys() if self.wait_for_inflight else set()
-        while self.waiting and len(self.running) < self.max_running and self.budget > 0:
-            seq = self.waiting[0]
-            hits, limit = self.match(seq), (seq.num_tokens - 1) // self.block_size
-            # Its next block is being computed by a running request (in this step or a later slice of its
-            # prompt): wait, and hit it once it is written, instead of computing it a second time.
-            if len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight:
+        long_prefills = sum(self.is_long(s, s.num_cached) for s in self.running)  # before this step's slices
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_running or self.budget == 0:
                 return
+            hits = self.match(seq)
+            # Its next block is being computed by a running request (in this step or a later slice of its
+            # prompt): it waits, and hits it once it is written, instead of computing it a second time.
+            if self.waits_for(seq, hits, inflight):
+                continue
             cached = len(hits) * self.block_size  # at most num_tokens - 1: a full hit still computes a token
+            long = self.is_long(seq, cached)
+            if long and self.max_long_prefills is not None and long_prefills >= self.max_long_prefills:
+                continue  # K long prompts are part-way through: shorter ones behind it go first
             n = self.slice_size(seq.num_tokens - cached)
             fresh = blocks_for(cached + n, self.block_size) - len(hits)
             if fresh + self.revived(hits) > self.allocator.num_free:
-                return
-            self.waiting.popleft()
+                return  # head of line for memory: nothing younger overtakes it, or it could starve
+            self.waiting.remove(seq)
             self.allocator.share(hits)  # first: alloc below must not evict the blocks just hit
             seq.blocks = hits + self.allocator.alloc(fresh)
             seq.num_cached = cached
@@ -122,5 +149,6 @@ class ChunkedScheduler(PrefixScheduler):
             self.stats.prefill_tokens += seq.num_tokens - cached
             self._run(seq)
             self.take(Slice.of(seq, n))
+            long_prefills += long
             if self.wait_for_inflight:
                 inflight |= self.pending_keys(seq)  # every block of its prompt this step or a later one fills
