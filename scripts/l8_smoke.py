@@ -39,6 +39,11 @@ def parser():
     p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
                    help=f"the token budget of one step, decodes included (default: {DEFAULT_MAX_BATCHED_TOKENS})")
     p.add_argument("--max-slice-tokens", type=int, help="most prompt tokens one request computes in a step (default: no cap)")
+    p.add_argument("--max-long-prefills", type=int,
+                   help="most long prompts part-way through at once; shorter ones pass the rest (default: no limit; "
+                        "needs --long-prefill-threshold)")
+    p.add_argument("--long-prefill-threshold", type=int,
+                   help="a prompt with more tokens than this still to compute is long; no slice is longer")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
     p.add_argument("--graphs", default="on", choices=("on", "off"), help="off: every step eager")
@@ -98,7 +103,8 @@ def build_engines(model, args):
     def l8_engine():
         return L8Engine(model, args.block_size, args.num_blocks, args.max_running, args.backend,
                         graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
-                        max_slice_tokens=args.max_slice_tokens)
+                        max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
+                        long_prefill_threshold=args.long_prefill_threshold)
 
     def l8(prompts, stop):
         args.l8 = l8_engine()

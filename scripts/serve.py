@@ -70,6 +70,10 @@ def parser() -> OneLineParser:
                    help=f"token budget of one engine step (default: {SERVER_MAX_BATCHED_TOKENS}; L8's smoke uses "
                         f"{DEFAULT_MAX_BATCHED_TOKENS})")
     p.add_argument("--max-slice-tokens", type=int, help="most prompt tokens one request computes per step")
+    p.add_argument("--max-long-prefills", type=int, help="most long prompts part-way through at once; shorter ones "
+                   "pass the rest (default: no limit; needs --long-prefill-threshold, as in L8)")
+    p.add_argument("--long-prefill-threshold", type=int, help="a prompt with more tokens than this still to compute "
+                   "is long; no slice is longer")
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")
     p.add_argument("--graphs", default="on", choices=("on", "off"), help="CUDA graphs for decode steps (as in L7)")
@@ -171,7 +175,8 @@ def build(args) -> tuple[Server, socket.socket]:
         engine_class, model = L10Engine, TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
     engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
                           graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
-                          max_slice_tokens=args.max_slice_tokens, seed=args.seed)
+                          max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
+                          long_prefill_threshold=args.long_prefill_threshold, seed=args.seed)
     engine.stats.record_timeline = False
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)

@@ -3,12 +3,15 @@ prefilled whole, in one step) and on L8 at several token budgets, all in one inv
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l8_bench.py [--quick] [--budgets 32,64,...] [--repeats N]
         [--seed 0] [--json PATH] [--png PATH | --no-png] [--model DIR] [--device cpu] [--dtype float32]
+        [--late-shorts N] [--max-long-prefills K --long-prefill-threshold T]
 
 The default run takes about 2.5 minutes on one CPU thread, --quick about 20 s.
 
 The workload (seeded by --seed, the same for every engine):
   * --shorts short requests: prompts of 16-64 random token ids, 32-64 new tokens each (ignore EOS);
   * --longs long prompts of --long-len (default 1,500-3,000) random token ids, 16 new tokens each.
+  * --late-shorts more short requests (default 0), each submitted right after a long prompt (in turn): they
+    queue behind it, which is what --max-long-prefills is for.
 Token ids are drawn at random from 1000..min(100000, vocab), so no two prompts share a block and the prefix
 cache does not hit (the report would say if it did).
 
@@ -31,6 +34,10 @@ Reported per engine, each also as a ratio to L7's: time to first token (TTFT) p5
 and of the long ones (with 2-4 long prompts their p99 is about the slowest), the short requests' inter-token
 gap p50/p99 and longest gap (in seconds and in steps), and throughput (output tokens / wall seconds of the
 run). Every engine's greedy tokens must equal L7's, request for request: a mismatch prints FAIL, exit 1.
+
+With --max-long-prefills K and --long-prefill-threshold T every budget also runs with L8's long-prompt
+limit (at most K prompts with more than T tokens left part-way through, no slice above T), in the same
+rounds: compare its short TTFT with the plain row above it. Those rows stay out of the target and the plot.
 
 Target (a benchmark, not a test): at one budget, L8's p99 inter-token gap of the short requests at most 1/3
 of L7's, with throughput within 10% of L7's. The report says whether it was met, and at which budgets.
@@ -64,6 +71,7 @@ from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
 from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
 from lessons.l7_cuda_graphs import L7Engine  # noqa: E402
 from lessons.l8_chunked_prefill import L8Engine  # noqa: E402
+from lessons.l8_chunked_prefill.scheduler import check_long_prefills  # noqa: E402
 from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule, check_prompt  # noqa: E402
@@ -98,13 +106,18 @@ class Trace:
     token_s: list[float] = field(default_factory=list)
 
 
-def make_jobs(rng: random.Random, shorts: int, longs: int, long_len: tuple[int, int], vocab: int) -> list[Job]:
+def make_jobs(rng: random.Random, shorts: int, longs: int, long_len: tuple[int, int], vocab: int,
+              late_shorts: int = 0) -> list[Job]:
     hi = min(TOKEN_HI, vocab)
     ids = lambda n: [rng.randrange(TOKEN_LO, hi) for _ in range(n)]  # noqa: E731
     jobs = [Job("short", ids(rng.randint(*SHORT_PROMPT)), rng.randint(*SHORT_NEW), SHORT_EVERY * i) for i in range(shorts)]
     total = sum(j.new_tokens for j in jobs)
     fractions = np.linspace(*LONG_AT, longs) if longs > 1 else [LONG_AT[0]]
     jobs += [Job("long", ids(rng.randint(*long_len)), LONG_NEW, round(f * total)) for f in fractions[:longs]]
+    at = [j.milestone for j in jobs if j.kind == "long"] or [0]
+    # Drawn after the others, so the rest of the workload is the same with or without them.
+    jobs += [Job("short", ids(rng.randint(*SHORT_PROMPT)), rng.randint(*SHORT_NEW), at[i % len(at)])
+             for i in range(late_shorts)]
     return jobs
 
 
@@ -235,7 +248,7 @@ def show(console: Console, rows: list[dict], title: str) -> None:
 def target(rows: list[dict]) -> dict:
     """Budgets meeting the target; the best of them (lowest p99 gap), or if none, the closest: the lowest gap
     among those keeping throughput, else the highest throughput."""
-    sweep = [r for r in rows[1:] if r["parity"]]  # a wrong engine meets nothing
+    sweep = [r for r in rows[1:] if r["parity"] and r["long_limit"] is None]  # a wrong engine meets nothing
     gap = lambda r: r["x_l7"]["short_gap_p99_s"]  # noqa: E731
     tput = lambda r: r["x_l7"]["tokens_per_s"]  # noqa: E731
     kept = [r for r in sweep if tput(r) >= THROUGHPUT_TARGET]
@@ -252,7 +265,7 @@ def plot(report: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    l7, sweep = report["engines"][0], report["engines"][1:]
+    l7, sweep = report["engines"][0], [r for r in report["engines"][1:] if r["long_limit"] is None]
     xs = [r["x_l7"]["tokens_per_s"] for r in sweep]
     ys = [r["short_gap_p99_s"] * 1e3 for r in sweep]
     l7_y = l7["short_gap_p99_s"] * 1e3
@@ -297,6 +310,11 @@ def parser() -> OneLineParser:
     p.add_argument("--quick", action="store_true", help="a smaller run (about 30 s on one CPU thread)")
     p.add_argument("--repeats", type=int, help=f"timed runs per engine, samples pooled (default: {FULL['repeats']}; "
                    f"quick: {QUICK['repeats']})")
+    p.add_argument("--late-shorts", type=int, default=0, help="short requests submitted right after the long prompts "
+                   "(default: 0)")
+    p.add_argument("--max-long-prefills", type=int, help="also run every budget with this limit on long prompts "
+                   "part-way through (needs --long-prefill-threshold)")
+    p.add_argument("--long-prefill-threshold", type=int, help="with --max-long-prefills: what counts as long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", default="auto", choices=BACKENDS)
@@ -328,6 +346,9 @@ def settings(args) -> None:
             raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.longs < 0:
         raise CourseError(f"--longs must be at least 0, got {args.longs}")
+    if args.late_shorts < 0:
+        raise CourseError(f"--late-shorts must be at least 0, got {args.late_shorts}")
+    check_long_prefills(args.max_long_prefills, args.long_prefill_threshold)
     if not 1 <= args.long_len[0] <= args.long_len[1]:
         raise CourseError(f"--long-len needs 1 <= MIN <= MAX, got {args.long_len[0]} {args.long_len[1]}")
     if args.threads is not None and args.threads < 1:
@@ -354,7 +375,7 @@ def main() -> None:
         if vocab <= TOKEN_LO:
             raise CourseError(f"the model's vocabulary ({vocab}) is too small for token ids from {TOKEN_LO}")
         rng = random.Random(args.seed)
-        jobs = make_jobs(rng, args.shorts, args.longs, tuple(args.long_len), vocab)
+        jobs = make_jobs(rng, args.shorts, args.longs, tuple(args.long_len), vocab, args.late_shorts)
         warm = [Job("short", [rng.randrange(TOKEN_LO, min(TOKEN_HI, vocab)) for _ in range(n)], new, 0)
                 for n, new in ((24, 4), (40, 4), (min(400, args.long_len[0]), 2))]
         for job in jobs:  # a request past the model's context fails here, before any engine runs
@@ -371,11 +392,17 @@ def main() -> None:
                       f"tokens; {args.longs} long prompts of {', '.join(map(str, longs))} tokens ({LONG_NEW} new each) "
                       f"submitted at {', '.join(str(j.milestone) for j in jobs if j.kind == 'long')} of the shorts' "
                       f"{sum(j.new_tokens for j in jobs if j.kind == 'short')} tokens; pool {num_blocks} blocks of "
-                      f"{args.block_size} (every request fits at once)")
+                      f"{args.block_size} (every request fits at once)"
+                      + (f"; {args.late_shorts} more short requests, each right after a long prompt" if args.late_shorts
+                         else ""))
         t0 = time.perf_counter()
         engines = [("L7 (whole prompts)", None, lambda: L7Engine(*common, graphs=True))]
-        engines += [(f"L8 budget {b}", b, lambda b=b: L8Engine(*common, graphs=True, max_batched_tokens=b))
-                    for b in args.budgets]
+        for b in args.budgets:
+            engines.append((f"L8 budget {b}", b, lambda b=b: L8Engine(*common, graphs=True, max_batched_tokens=b)))
+            if args.max_long_prefills:
+                limit, t = args.max_long_prefills, args.long_prefill_threshold
+                engines.append((f"L8 budget {b}, long prompts (> {t}) <= {limit}", b, lambda b=b: L8Engine(
+                    *common, graphs=True, max_batched_tokens=b, max_long_prefills=limit, long_prefill_threshold=t)))
         runs: dict[str, list[Run]] = {name: [] for name, _, _ in engines}
         with torch.inference_mode():
             for k in range(args.repeats):  # odd rounds in reverse order: a drift in the machine's speed hits all alike
@@ -384,6 +411,10 @@ def main() -> None:
                     runs[name].append(run)
                     console.print(f"  round {k + 1}/{args.repeats}, {name}: {run.steps} steps, {run.seconds:.1f} s")
         rows = [summarize(name, budget, runs[name], jobs) for name, budget, _ in engines]
+        for row in rows:
+            row["long_limit"] = (None if "long prompts" not in row["engine"]
+                                 else {"max_long_prefills": args.max_long_prefills,
+                                       "long_prefill_threshold": args.long_prefill_threshold})
         wall = time.perf_counter() - t0
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -412,6 +443,7 @@ def main() -> None:
               "dtype": str(dtype).removeprefix("torch."), "conditions": conditions, "seed": args.seed,
               "repeats": args.repeats, "wall_seconds": wall, "num_blocks": num_blocks, "block_size": args.block_size,
               "workload": {"shorts": args.shorts, "longs": args.longs, "long_prompt_tokens": longs,
+                           "late_shorts": args.late_shorts,
                            "jobs": [{"kind": j.kind, "prompt_tokens": len(j.prompt_ids), "new_tokens": j.new_tokens,
                                      "submitted_at_short_tokens": j.milestone} for j in jobs]},
               "engines": rows, "target": goal}
