@@ -123,20 +123,26 @@ async def hostile(client: httpx.AsyncClient, bodies: list[tuple[str, bytes]], in
                                             headers={"content-type": "application/json"})).status_code)
         except httpx.HTTPError as e:
             status = outcome(e)
-        m.hostile.setdefault(kind, Counter())[status] += 1
-        m.hostile_ms.setdefault(kind, []).append((time.perf_counter() - sent) * 1e3)
+        except asyncio.CancelledError:  # still unanswered GRACE_S after the deadline
+            status = "unanswered"
+            raise
+        finally:
+            m.hostile.setdefault(kind, Counter())[status] += 1
+            m.hostile_ms.setdefault(kind, []).append((time.perf_counter() - sent) * 1e3)
         i, t = i + 1, t + interval
         await asyncio.sleep(max(0.0, min(t, deadline) - time.perf_counter()))
 
 
 async def probe(client: httpx.AsyncClient, interval: float, deadline: float, m: Measured) -> None:
     while (t := time.perf_counter()) < deadline:
+        ok = False
         try:
             ok = (await client.get("/health")).status_code == 200
         except httpx.HTTPError:
-            ok = False
-        m.probe_ms.append((time.perf_counter() - t) * 1e3)
-        m.probe_failures += not ok
+            pass
+        finally:  # also a probe still unanswered GRACE_S after the deadline: its wait so far counts
+            m.probe_ms.append((time.perf_counter() - t) * 1e3)
+            m.probe_failures += not ok
         await asyncio.sleep(max(0.0, min(t + interval, deadline) - time.perf_counter()))
 
 
