@@ -267,9 +267,9 @@ def check_prompt_size(prompt: str, req: GenerationRequest, model: ServedModel, l
     if size > room * longest_token and model.tokenizer.normalizer is not None:
         size = len(model.tokenizer.normalizer.normalize_str(prompt).encode())  # NFC may compose into fewer bytes
     if size > room * longest_token:
-        raise ApiError(400, f"the prompt is {size} bytes of text: at least {-(-size // longest_token)} tokens, past the "
-                            f"{room} left in the model's context of {model.context} by max_tokens ({req.max_tokens})",
-                       param)
+        raise ApiError(400, f"the prompt is {size} bytes of text: at least {-(-size // longest_token)} tokens, "
+                            f"past the {room} that max_tokens ({req.max_tokens}) leaves of the model's context "
+                            f"({model.context})", param)
 
 
 async def read_json(request: Request, limit: int) -> dict:
