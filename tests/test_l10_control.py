@@ -3,8 +3,8 @@
 - A step travels as int64 tensors (wire.py), never pickled: with pickle's loaders poisoned, rank 0's send
   and a follower's receive round-trip every kind of message; a malformed message is one RunFailure line.
 - Every collective is issued with async_op=True and waited for with the step timeout (Work.wait(timeout)),
-  the path that bounds NCCL's asynchronous collectives as well as gloo's; a follower's wait for the next
-  step is the one unbounded wait.
+  the path that bounds NCCL's asynchronous collectives as well as gloo's; rank 0's sends while the ranks
+  start wait up to the startup timeout; a follower's wait for the next step is the one unbounded wait.
 - close() while the engine thread is inside a step waits for that step: never two collectives at once; a
   step that outlasts the timeout is left alone (the followers are ended) and the group refuses later calls.
 """
@@ -186,9 +186,17 @@ def test_collectives_are_async_and_waited_for_with_the_step_timeout(monkeypatch)
     assert group.gather_last_dim(torch.ones(2, 3)).shape == (2, 6)
     assert [(r["name"], r["async_op"], r["wait"]) for r in fake.issued] == \
            [("all_reduce", True, bounded), ("gather", True, bounded)]
-    with group.lead("capture", [1, 2], 5):  # rank 0's sends: a header, then a payload
+    with group.lead("run_step", *a_step()):  # rank 0's send of a step: a header, then a payload
         pass
     assert [(r["name"], r["async_op"], r["wait"]) for r in fake.issued[2:]] == [("broadcast", True, bounded)] * 2
+    # The calls made while the ranks start wait longer: a follower still loading its part has not hung.
+    del fake.issued[:], fake.sent[:]
+    with group.lead("capture", [1, 2], 5):
+        pass
+    from lessons.l10_tensor_parallel.group import STARTUP_TIMEOUT_S  # (new with the fix: imported here)
+
+    startup = timedelta(seconds=STARTUP_TIMEOUT_S)
+    assert [(r["name"], r["async_op"], r["wait"]) for r in fake.issued] == [("broadcast", True, startup)] * 2
     # A follower: its step's collectives bounded the same way; its wait for the next step is not.
     follower = FakeDist().install(monkeypatch)
     follower.follower, follower.incoming = True, list(fake.sent)

@@ -9,6 +9,8 @@
   * n = 2 seeded sampling: the fork's copy-on-write is recorded by rank 0's block manager and made by both
     ranks with the next step; the children equal L8's.
   * After each run every block is free or cached; no deferred copy is left behind.
+- Every listening socket of both ranks is on loopback (no TCPStore on every interface); the store is a file
+  in a 0700 folder.
 - scripts/l10_smoke.py in its own process: --tp 4 (KV heads replicated) matches; --tp 3 is refused (exit 2,
   one line); --tp 2 --json carries both the L10 and the L8 verdict of every prompt.
 - A follower killed between two steps, or hung (SIGSTOP) inside one or between two, ends rank 0's run with

@@ -6,8 +6,9 @@ Two process groups over the same ranks:
            forward, so a wait that long means a rank died or hung.
   control  rank 0's instructions to the others (load this model, build this runner, run this step, stop):
            int64 tensors in a fixed schema (wire.py), never pickle, so always gloo, on the host. Rank 0's
-           sends are bounded by the same timeout; a follower's wait is unbounded in practice: between steps
-           it waits for as long as the server has nothing to do.
+           send of a step is bounded by the same timeout, its sends while the ranks start (load, build the
+           runner, capture) by STARTUP_TIMEOUT_S: a follower still loading its part has not hung. A
+           follower's wait is unbounded in practice: between steps it waits as long as the server idles.
 Every collective is issued with async_op=True and waited for with the timeout (Work.wait(timeout)): gloo
 enforces its group timeout itself, NCCL does not (a CUDA collective returns before it ran), so this wait is
 what bounds a step on both. A rank that exits closes its sockets, so the others' next collective fails at
@@ -34,6 +35,7 @@ from lessons.l10_tensor_parallel import wire
 from shared.errors import RunFailure
 
 DEFAULT_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter imports torch and loads its part: seconds, more on a busy machine
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waiting for rank 0's next step: as long as the server idles
 
 
@@ -58,7 +60,7 @@ class TpGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place: each held a partial sum of the same output."""
         if self.size > 1:
-            self._collective("all-reduce", dist.all_reduce, x, group=self.compute)
+            self._collective("all-reduce", dist.all_reduce, x, group=self.compute, wait_s=self.timeout_s)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -66,7 +68,8 @@ class TpGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.leader else None
-        self._collective("gather", dist.gather, x.contiguous(), parts, dst=0, group=self.compute)
+        self._collective("gather", dist.gather, x.contiguous(), parts, dst=0, group=self.compute,
+                         wait_s=self.timeout_s)
         return torch.cat(parts, dim=-1) if self.leader else None
 
     def lead(self, kind: str, *args: Any) -> Iterator[None]:
@@ -81,18 +84,18 @@ class TpGroup:
             if self.closed:
                 raise RunFailure(f"tensor-parallel rank 0 of {self.size}: {kind} after the group was closed")
             if self.size > 1:
-                self._send(kind, *args)
+                self._send(kind, *args, wait_s=self.timeout_s if kind == "run_step" else STARTUP_TIMEOUT_S)
             yield
 
     def receive(self) -> tuple | None:
         """A follower: wait for rank 0's next message, (kind, *args) (None: stop). A message that does not
         follow its schema is a RunFailure naming what is wrong."""
         header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
-        self._collective("receive", dist.broadcast, header, src=0, group=self.control, bounded=False)
+        self._collective("receive", dist.broadcast, header, src=0, group=self.control, wait_s=None)
         try:
             payload = torch.zeros(wire.payload_len(header), dtype=torch.int64)
             if payload.numel():
-                self._collective("receive", dist.broadcast, payload, src=0, group=self.control, bounded=False)
+                self._collective("receive", dist.broadcast, payload, src=0, group=self.control, wait_s=None)
             message = wire.unpack(header, payload)
         except wire.Malformed as e:
             raise RunFailure(f"tensor-parallel rank {self.rank} of {self.size}: malformed control message "
@@ -100,44 +103,45 @@ class TpGroup:
         return None if message[0] == "stop" else message
 
     def close(self) -> None:
-        """Rank 0: tell the followers to stop (if they can still hear it), then release everything. A call
-        still in flight on another thread (the engine's step) is waited for up to the timeout, which bounds
-        each of its collectives; past that the groups are left alone (on_close ends the followers)."""
+        """Rank 0: tell the followers to stop (if they can still hear it), end them (on_close), then release
+        the groups. A call still in flight on another thread (the engine's step) is waited for up to the
+        timeout, which bounds each of its collectives; past that the groups are left alone."""
         idle = self._lock.acquire(timeout=self.timeout_s)
         try:
-            if idle and not self.closed:
-                if self.leader and self.size > 1 and self.control is not None:
-                    try:
-                        self._send("stop")
-                    except RunFailure:
-                        pass  # a follower is gone already; on_close ends the rest
-                if self.compute is not None and dist.is_initialized():
-                    dist.destroy_process_group()
-                    self.compute = self.control = None
+            if idle and not self.closed and self.leader and self.size > 1 and self.control is not None:
+                try:
+                    self._send("stop", wait_s=self.timeout_s)
+                except RunFailure:
+                    pass  # a follower is gone or hung; on_close ends it
             self.closed = True
+            for action in self.on_close:
+                action()
+            self.on_close.clear()
+            # After the followers are gone: work still pending on a group (a send to a hung follower) then
+            # fails at once instead of holding destroy_process_group until gloo's own timeout.
+            if idle and self.compute is not None and dist.is_initialized():
+                dist.destroy_process_group()
+                self.compute = self.control = None
         finally:
             if idle:
                 self._lock.release()
-        for action in self.on_close:
-            action()
-        self.on_close.clear()
 
-    def _send(self, kind: str, *args: Any) -> None:
+    def _send(self, kind: str, *args: Any, wait_s: float) -> None:
         header, payload = wire.pack(kind, *args)
-        self._collective("broadcast", dist.broadcast, header, src=0, group=self.control)
+        self._collective("broadcast", dist.broadcast, header, src=0, group=self.control, wait_s=wait_s)
         if payload.numel():
-            self._collective("broadcast", dist.broadcast, payload, src=0, group=self.control)
+            self._collective("broadcast", dist.broadcast, payload, src=0, group=self.control, wait_s=wait_s)
 
-    def _collective(self, what: str, fn, *args, bounded: bool = True, **kwargs) -> None:
-        """fn(*args, **kwargs) as async work, waited for up to the timeout (bounded) or for as long as it takes."""
+    def _collective(self, what: str, fn, *args, wait_s: float | None, **kwargs) -> None:
+        """fn(*args, **kwargs) as async work, waited for up to wait_s seconds (None: as long as it takes)."""
         t0 = time.perf_counter()
         try:
             work = fn(*args, async_op=True, **kwargs)
             # A CUDA graph being captured cannot wait on the host: its collectives are bounded at replay by
             # NCCL's own watchdog (the group's timeout), not here.
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            if bounded and not capturing:
-                work.wait(timedelta(seconds=self.timeout_s))
+            if wait_s is not None and not capturing:
+                work.wait(timedelta(seconds=wait_s))
             else:
                 work.wait()
         except RuntimeError as e:  # gloo and NCCL report a lost peer and a timeout alike, as RuntimeError

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S, IDLE_TIMEOUT, TpGroup
+from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S, IDLE_TIMEOUT, STARTUP_TIMEOUT_S, TpGroup
 from shared.errors import CourseError, RunFailure
 
 LOOPBACK = "lo"  # the interface spawned ranks' gloo sockets bind to (they share one machine)
 # Waiting for the ranks to start (a fresh interpreter imports torch: seconds), apart from the step timeout,
 # which may be short: a rank that is still starting has not hung.
-STARTUP_TIMEOUT = timedelta(seconds=120)
+STARTUP_TIMEOUT = timedelta(seconds=STARTUP_TIMEOUT_S)
 
 
 def start(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> TpGroup:
@@ -153,9 +153,11 @@ def _join(rank: int, size: int, store: dist.Store, timeout_s: float | None, devi
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        # A timeout is each process's own: rank 0's sends are bounded (a follower hung between steps is found
-        # at the next one), a follower's wait for the next step is not (the server may idle for hours).
-        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT)
+        # A timeout is each process's own: rank 0's sends are bounded (group.py waits for a step's send up to
+        # the step timeout, for the others up to STARTUP_TIMEOUT, gloo's own), a follower's wait for the next
+        # step is not (the server may idle for hours).
+        control = dist.new_group(backend="gloo", timeout=max(STARTUP_TIMEOUT, timedelta(seconds=timeout_s))
+                                 if rank == 0 else IDLE_TIMEOUT)
     except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
         raise RunFailure(f"tensor-parallel rank {rank} of {size} could not join the group: "
                          f"{str(e).strip().splitlines()[0]}") from None
