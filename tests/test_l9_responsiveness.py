@@ -18,6 +18,7 @@ from lessons.l9_server.app import MAX_BODY_BYTES  # noqa: E402
     (["--clients", "0"], "--clients must be at least 1, got 0"),
     (["--duration", "0"], "--duration must be positive, got 0.0"),
     (["--probe-interval", "nan"], "--probe-interval must be positive, got nan"),
+    (["--hostile-interval", "-1"], "--hostile-interval must be positive, or 0 for none, got -1.0"),
     (["--before", "no-such-ref-27"], "--before 'no-such-ref-27': not a commit of this repository"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2(argv, message, monkeypatch, capsys):

@@ -10,9 +10,10 @@ the other for this client), answers one warm-up request, and then for --duration
 process with httpx:
   - --clients streaming clients, each looping a streaming /v1/completions request (--max-tokens tokens,
     end-of-sequence ignored); every gap between two consecutive chunks that carry text is an inter-token gap;
-  - hostile requests, one at a time, one every --hostile-interval seconds, cycling through: a prompt string
-    filling the body to just under the 1 MiB limit, a prompt of token IDs as large, 5,000 levels of nested
-    arrays in an unknown field, and fields of the wrong types; their status codes are counted (5xx apart);
+  - hostile requests (none with --hostile-interval 0: the baseline), one at a time, one every
+    --hostile-interval seconds, cycling through: a prompt string filling the body to just under the 1 MiB
+    limit, a prompt of token IDs as large, 5,000 levels of nested arrays in an unknown field, and fields of
+    the wrong types; their status codes are counted (5xx apart);
   - a probe: GET /health every --probe-interval seconds, one at a time, each latency kept.
 Reported per server: /health p50/p99/max, every stream's worst gap (max and p99 over streams), tokens/s (chunks
 that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts and each
@@ -165,10 +166,11 @@ async def load(base: str, model: str, args) -> Measured:
         t0, cpu0 = time.perf_counter(), time.process_time()
         deadline = t0 + args.duration
         streams = [asyncio.create_task(streamer(clients[0], body, deadline, m)) for _ in range(args.clients)]
-        others = [asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES),
-                                              args.hostile_interval, deadline, m)),
-                  asyncio.create_task(probe(clients[2], args.probe_interval, deadline, m)),
+        others = [asyncio.create_task(probe(clients[2], args.probe_interval, deadline, m)),
                   asyncio.create_task(lag(deadline, m))]
+        if args.hostile_interval > 0:  # 0: none, the baseline the hostile load is judged against
+            others.append(asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES),
+                                                      args.hostile_interval, deadline, m)))
         await asyncio.sleep(args.duration)
         for task in streams:  # cut mid-stream at the deadline: tokens/s counts the window only
             task.cancel()
@@ -260,9 +262,9 @@ def show(console: Console, results: dict[str, tuple[Measured, str]]) -> dict[str
         t.add_row(name, *cells)
     console.print(t)
     for label, (m, backend) in results.items():
-        console.print(f"{label}, backend {backend}; hostile statuses: " + "; ".join(
+        console.print(f"{label}, backend {backend}; hostile statuses: " + ("; ".join(
             f"{kind}: " + ", ".join(f"{s} x{n}" for s, n in sorted(c.items()))
-            + f" (median {np.median(m.hostile_ms[kind]):,.0f} ms)" for kind, c in m.hostile.items()))
+            + f" (median {np.median(m.hostile_ms[kind]):,.0f} ms)" for kind, c in m.hostile.items()) or "none sent"))
         if m.stream_errors:
             console.print(f"  stream errors: {dict(m.stream_errors)}")
         s = sums[label]
@@ -278,7 +280,8 @@ def parser() -> OneLineParser:
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load per server (default: 20)")
     p.add_argument("--clients", type=int, default=32, help="streaming clients (default: 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed request (default: 64)")
-    p.add_argument("--hostile-interval", type=float, default=0.25, help="seconds between hostile requests")
+    p.add_argument("--hostile-interval", type=float, default=0.25,
+                   help="seconds between hostile requests (default: 0.25; 0: none, a baseline)")
     p.add_argument("--probe-interval", type=float, default=0.01, help="seconds between /health probes")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of each server")
     p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
@@ -287,9 +290,11 @@ def parser() -> OneLineParser:
 
 
 def check(args) -> None:
-    for name in ("duration", "hostile_interval", "probe_interval"):
+    for name in ("duration", "probe_interval"):
         if not getattr(args, name) > 0:
             raise CourseError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.hostile_interval >= 0:
+        raise CourseError(f"--hostile-interval must be positive, or 0 for none, got {args.hostile_interval}")
     for name in ("clients", "max_tokens", "threads"):
         if getattr(args, name) < 1:
             raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -324,8 +329,8 @@ def main() -> None:
     cpu = cpu_name()
     console.print(f"[bold]L9 responsiveness[/]: {model_dir.name}, cpu float32, {args.threads} thread(s) per server; "
                   f"{cpu}; {args.duration:g} s per server of {args.clients} streams of {args.max_tokens} tokens, "
-                  f"a hostile request every {args.hostile_interval:g} s, GET /health every "
-                  f"{args.probe_interval * 1e3:g} ms")
+                  + (f"a hostile request every {args.hostile_interval:g} s" if args.hostile_interval else
+                     "no hostile requests") + f", GET /health every {args.probe_interval * 1e3:g} ms")
     results = {}
     try:
         for ref in ([args.before] if args.before else []) + [None]:
