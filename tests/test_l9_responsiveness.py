@@ -30,10 +30,12 @@ def test_a_bad_option_is_one_line_and_exit_2(argv, message, monkeypatch, capsys)
 
 
 def test_hostile_bodies_are_just_under_the_limit_or_deep():
-    bodies = dict(bench.hostile_bodies("m", MAX_BODY_BYTES))
+    bodies = dict(bench.hostile_bodies("m", MAX_BODY_BYTES, 4096))
     for kind in ("1 MiB text prompt", "1 MiB token-ID prompt"):
         assert MAX_BODY_BYTES - 1024 < len(bodies[kind]) <= MAX_BODY_BYTES
         assert json.loads(bodies[kind])["model"] == "m"
+    admitted = json.loads(bodies["tokenized, then too long"])["prompt"]
+    assert 4095 * 128 - 8 <= len(admitted) <= 4095 * 128 and len(admitted.split()) > 4096
     assert bodies[f"{bench.NESTING}-deep JSON"].count(b"[") == bench.NESTING == 5000
     bad = json.loads(bodies["bad fields"])
     assert bad["prompt"] == 5 and bad["max_tokens"] == "many"
@@ -61,5 +63,5 @@ def test_a_short_run_reports_every_measure(tmp_path, monkeypatch, capsys):
     assert set(summary) == set(bench.summary(bench.Measured(duration_s=1.0, probe_ms=[1.0])))
     assert summary["probes"] == len(server["probe_ms"]) >= 1  # the first probe is always sent
     assert summary["hostile requests"] == sum(sum(c.values()) for c in server["hostile"].values()) >= 1
-    assert set(server["hostile"]) <= set(dict(bench.hostile_bodies("m", MAX_BODY_BYTES)))
+    assert set(server["hostile"]) <= set(dict(bench.hostile_bodies("m", MAX_BODY_BYTES, 4096)))
     assert summary["tokens/s"] == pytest.approx(server["text_chunks"] / server["duration_s"])

@@ -12,8 +12,9 @@ process with httpx:
     end-of-sequence ignored); every gap between two consecutive chunks that carry text is an inter-token gap;
   - hostile requests (none with --hostile-interval 0: the baseline), one at a time, one every
     --hostile-interval seconds, cycling through: a prompt string filling the body to just under the 1 MiB
-    limit, a prompt of token IDs as large, 5,000 levels of nested arrays in an unknown field, and fields of
-    the wrong types; their status codes are counted (5xx apart);
+    limit, the longest prompt the server cannot refuse untokenized (within the context at 128 bytes a
+    token, but over it in tokens), a prompt of token IDs as large as the first, 5,000 levels of nested
+    arrays in an unknown field, and fields of the wrong types; their status codes are counted (5xx apart);
   - a probe: GET /health every --probe-interval seconds, one at a time, each latency kept.
 Reported per server: /health p50/p99/max, every stream's worst gap (max and p99 over streams), tokens/s (chunks
 that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts and each
@@ -54,20 +55,24 @@ from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 HEALTH_P99_MS, HEALTH_MAX_MS = 20.0, 100.0
 NESTING = 5000
 GRACE_S = 10.0  # for the last probe and hostile request after the deadline
+LONGEST_TOKEN_BYTES = 128  # Qwen3's longest token, 128 spaces: a text of B bytes is at least B / 128 tokens
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 
 
-def hostile_bodies(model: str, limit: int) -> list[tuple[str, bytes]]:
+def hostile_bodies(model: str, limit: int, context: int) -> list[tuple[str, bytes]]:
     """(kind, body): each is refused by a correct server with a 4xx; none should slow anyone else down."""
     head = {"model": model, "max_tokens": 1}
     room = limit - len(json.dumps(head)) - 64  # just under the limit, with room for the field's name
     text = json.dumps({**head, "prompt": "the " * (room // 4)})
+    # Past the context in tokens, but within it at 128 bytes a token (the longest Qwen3 token): only the
+    # tokenizer can refuse it, after the longest work an admissible prompt costs.
+    admitted = json.dumps({**head, "prompt": "the " * (min(room, (context - 1) * LONGEST_TOKEN_BYTES) // 4 - 1)})
     ids = json.dumps({**head, "prompt": [1] * (room // 3)})  # "1, " per token ID
     nested = json.dumps({**head, "prompt": "hi"})[:-1] + ', "x": ' + "[" * NESTING + "]" * NESTING + "}"
     bad = json.dumps({**head, "prompt": 5, "max_tokens": "many", "temperature": "hot"})
     return [(kind, body.encode()) for kind, body in
-            (("1 MiB text prompt", text), ("1 MiB token-ID prompt", ids), (f"{NESTING}-deep JSON", nested),
-             ("bad fields", bad))]
+            (("1 MiB text prompt", text), ("tokenized, then too long", admitted), ("1 MiB token-ID prompt", ids),
+             (f"{NESTING}-deep JSON", nested), ("bad fields", bad))]
 
 
 @dataclass
@@ -153,7 +158,7 @@ async def lag(deadline: float, m: Measured) -> None:
         m.lag_ms.append((time.perf_counter() - t - 0.005) * 1e3)
 
 
-async def load(base: str, model: str, args) -> Measured:
+async def load(base: str, model: str, context: int, args) -> Measured:
     m = Measured()
     clients = [httpx.AsyncClient(base_url=base, timeout=30, limits=httpx.Limits(max_connections=None))
                for _ in range(3)]  # streams, hostile, probe: none waits for another's connection
@@ -169,7 +174,7 @@ async def load(base: str, model: str, args) -> Measured:
         others = [asyncio.create_task(probe(clients[2], args.probe_interval, deadline, m)),
                   asyncio.create_task(lag(deadline, m))]
         if args.hostile_interval > 0:  # 0: none, the baseline the hostile load is judged against
-            others.append(asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES),
+            others.append(asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES, context),
                                                       args.hostile_interval, deadline, m)))
         await asyncio.sleep(args.duration)
         for task in streams:  # cut mid-stream at the deadline: tokens/s counts the window only
@@ -218,7 +223,8 @@ def measure(serve: Path, model_dir: Path, args, console: Console, label: str) ->
     t0 = time.perf_counter()
     with server:
         t1 = time.perf_counter()
-        m = asyncio.run(load(server.url.removesuffix("/v1"), server.model, args))
+        context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+        m = asyncio.run(load(server.url.removesuffix("/v1"), server.model, context, args))
         if server.proc.poll() is not None:
             raise RuntimeError(f"the server died under the load: {server.stderr_tail()}")
         t2 = time.perf_counter()
