@@ -115,7 +115,8 @@ def test_a_short_prompt_overtakes_long_ones_with_max_long_prefills(knob):
     kwargs = dict(max_long_prefills=1, long_prefill_threshold=4) if knob else {}
     engine = fake_l8(4, 64, max_batched_tokens=8, **kwargs)
     plans = plans_of(engine)
-    long1, long2 = engine.add_request(list(range(24)), StopRule(3)), engine.add_request(list(range(30, 54)), StopRule(3))
+    long1 = engine.add_request(list(range(24)), StopRule(3))
+    long2 = engine.add_request(list(range(30, 54)), StopRule(3))
     short = engine.add_request([60, 61, 62], StopRule(3))
     run_to_end(engine)
     L1, L2, S = long1.seq_id, long2.seq_id, short.seq_id
@@ -157,7 +158,8 @@ def test_long_prefills_count_what_is_left_after_the_cache_hit():
 
 @pytest.mark.parametrize("kwargs, named", [
     (dict(max_long_prefills=1), "long-prefill-threshold"), (dict(long_prefill_threshold=8), "max-long-prefills"),
-    (dict(max_long_prefills=0, long_prefill_threshold=8), "0"), (dict(max_long_prefills=1, long_prefill_threshold=2.5), "2.5"),
+    (dict(max_long_prefills=0, long_prefill_threshold=8), "0"),
+    (dict(max_long_prefills=1, long_prefill_threshold=2.5), "2.5"),
 ])
 def test_a_bad_long_prefill_limit_is_one_line_before_anything_is_built(kwargs, named):
     Counting.built = 0

@@ -9,7 +9,8 @@ from lessons.l6_prefix_sharing.scheduler import PrefixScheduler
 from lessons.l6_prefix_sharing.sequence import SharedSequence
 from lessons.l7_cuda_graphs.engine import L7Engine
 from lessons.l8_chunked_prefill.runner import ChunkedRunner
-from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS, ChunkedScheduler, check_budget, check_long_prefills
+from lessons.l8_chunked_prefill.scheduler import (DEFAULT_MAX_BATCHED_TOKENS, ChunkedScheduler, check_budget,
+                                                  check_long_prefills)
 from lessons.l8_chunked_prefill.timing import RequestTiming
 from shared.generation import StopRule
 

@@ -5,7 +5,7 @@ spends at most `max_batched_tokens` tokens, in this order:
   1. decodes (running requests one token behind): one token each, the least recently fed first, so when
      the budget is smaller than the number of decodes they take turns;
   2. running requests part-way through their prompt, oldest first;
-  3. waiting requests, oldest first (admission, after the prefix-cache hit is applied).
+  3. waiting requests, oldest first, after their prefix-cache hit (one waiting for blocks in flight is passed).
 Each of 2 and 3 takes what it still needs, capped by what is left of the budget and by the optional
 per-request `max_slice_tokens`. Blocks are reserved for each slice's end, not the whole prompt.
 
