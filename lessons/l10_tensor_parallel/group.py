@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator
@@ -72,11 +72,11 @@ class TpGroup:
                          wait_s=self.timeout_s)
         return torch.cat(parts, dim=-1) if self.leader else None
 
-    def lead(self, kind: str, *args: Any) -> Iterator[None]:
+    def lead(self, kind: str, *args: Any) -> AbstractContextManager[None]:
         """Rank 0: send every follower the call it is about to make itself, and hold the group while it makes
         it (`with group.lead(...): ...`). Elsewhere: nothing to send (the followers make this call because
         rank 0's message told them to)."""
-        return self._leading(kind, args) if self.leader else _nothing()
+        return self._leading(kind, args) if self.leader else nullcontext()
 
     @contextmanager
     def _leading(self, kind: str, args: tuple) -> Iterator[None]:
@@ -145,15 +145,11 @@ class TpGroup:
             else:
                 work.wait()
         except RuntimeError as e:  # gloo and NCCL report a lost peer and a timeout alike, as RuntimeError
+            limit = self.timeout_s if wait_s is None else wait_s
             raise RunFailure(f"tensor-parallel rank {self.rank} of {self.size}: {what} failed ({_reason(e)}); "
-                             f"another rank exited or hung longer than the {self.timeout_s:g} s timeout") from None
+                             f"another rank exited or hung longer than the {limit:g} s timeout") from None
         self.calls[what] += 1
         self.seconds[what] += time.perf_counter() - t0
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _reason(e: Exception) -> str:
