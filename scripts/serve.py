@@ -10,7 +10,7 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 (Prometheus). Once it answers it prints `serving MODEL at URL`. SIGINT or SIGTERM: new requests are
-refused, open streams get --shutdown-timeout seconds to finish (then are aborted), and it exits 0.
+refused, open requests get --shutdown-timeout seconds to finish (then a 503), and it exits 0.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def parser() -> OneLineParser:
                    help="max_tokens of a request that gives none (default: 256)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger bodies get 413 (default: 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds open streams get to finish after SIGTERM (default: 10)")
+                   help="seconds open requests get to finish after SIGTERM, then a 503 (default: 10)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     return p
 

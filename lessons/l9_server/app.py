@@ -55,7 +55,7 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
     async def lifespan(app: FastAPI):
         loop.start()
         yield
-        await run_in_threadpool(loop.stop)  # uvicorn has let open streams finish (or cancelled them) by now
+        await run_in_threadpool(loop.stop)  # open requests have finished, or been answered (serve.py's shutdown)
 
     app = FastAPI(title="paged-attention-course L9", lifespan=lifespan)
     longest_token = longest_token_bytes(model.tokenizer)
