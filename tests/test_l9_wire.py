@@ -460,3 +460,13 @@ def test_accepted_connections_send_without_waiting_for_acks():
         accepted, _ = server.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_checked():
+    """1 MiB of token ids is 200,000 of them: the length alone refuses it, before a loop over every id holds
+    the event loop (the last id here is not even an integer, and the length is what the message names)."""
+    from lessons.l9_server.protocol import parse_completion
+    body = {"model": "m", "prompt": [100] * 200_000 + ["x"]}
+    with pytest.raises(ApiError) as e:
+        parse_completion(body, 16, context=4096)
+    assert e.value.param == "prompt" and "200001 token ids" in e.value.message and "4096" in e.value.message

@@ -91,7 +91,7 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_json(request, max_body_bytes)
-        req = parse_completion(body, default_max_tokens)
+        req = parse_completion(body, default_max_tokens, model.context)
         admissible(body, req)
         return await generate(request, req, req.prompt, chat=False)
 

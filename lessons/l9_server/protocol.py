@@ -75,9 +75,9 @@ class GenerationRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
 
 
-def parse_completion(body: dict, default_max_tokens: int) -> GenerationRequest:
+def parse_completion(body: dict, default_max_tokens: int, context: int | None = None) -> GenerationRequest:
     check_fields(body, COMPLETION_FIELDS)
-    return parse_common(body, completion_prompt(body.get("prompt")), default_max_tokens)
+    return parse_common(body, completion_prompt(body.get("prompt"), context), default_max_tokens)
 
 
 def parse_chat(body: dict, default_max_tokens: int) -> tuple[list[dict], dict, GenerationRequest]:
@@ -151,11 +151,14 @@ def parse_common(body: dict, prompt: str | list[int], default_max_tokens: int,
                              continuous_usage)
 
 
-def completion_prompt(prompt: object) -> str | list[int]:
+def completion_prompt(prompt: object, context: int | None = None) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return prompt
+    if context is not None and isinstance(prompt, list) and len(prompt) > context:  # before looking at 200,000 ids
+        raise ApiError(400, f"prompt holds {len(prompt)} token ids, more than the model's context of {context}",
+                       "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
