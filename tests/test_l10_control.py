@@ -7,6 +7,8 @@
   start wait up to the startup timeout; a follower's wait for the next step is the one unbounded wait.
 - close() while the engine thread is inside a step waits for that step: never two collectives at once; a
   step that outlasts the timeout is left alone (the followers are ended) and the group refuses later calls.
+- After a failed collective rank 0 sends nothing more (a timed-out send may still arrive, and a follower
+  would read the next message as its rest): later calls repeat the first failure; close() sends no stop.
 """
 from __future__ import annotations
 
@@ -242,3 +244,28 @@ def test_close_leaves_a_step_that_outlasts_the_timeout_alone(monkeypatch):
     assert [r["name"] for r in fake.issued][-1] == "all_reduce", "no stop message beside the step"
     with pytest.raises(RunFailure, match="after the group was closed"):
         stepping_runner(group).forward([])
+
+
+def test_after_a_failed_collective_rank_0_sends_nothing_more(monkeypatch):
+    """A send that timed out may still arrive: a follower would read the next message (even the stop) as the
+    rest of it. So after any failed collective rank 0 sends nothing: later calls fail with the first failure,
+    and close() ends the followers without a stop message."""
+    fake = FakeDist().install(monkeypatch)
+
+    def lost(x, group=None, async_op=False):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(dist, "all_reduce", lost)
+    group = TpGroup(0, 2, CPU, 5.0, compute="compute", control="control")
+    ended = []
+    group.on_close.append(lambda: ended.append("followers"))
+    with pytest.raises(RunFailure) as first:
+        stepping_runner(group).forward([])
+    assert str(first.value) == ("tensor-parallel rank 0 of 2: all-reduce failed (Connection closed by peer "
+                                "[127.0.0.1]:1234); another rank exited or hung longer than the 5 s timeout")
+    issued = len(fake.issued)  # the step's send, before its all-reduce failed
+    with pytest.raises(RunFailure) as again:
+        stepping_runner(group).forward([])
+    assert str(again.value) == str(first.value)
+    group.close()
+    assert len(fake.issued) == issued and ended == ["followers"], "no message after the failure"

@@ -51,6 +51,7 @@ class TpGroup:
     calls: Counter = field(default_factory=Counter)  # collective -> times this rank made it
     seconds: Counter = field(default_factory=Counter)  # collective -> seconds this rank spent in it (waits included)
     closed: bool = False
+    failure: str | None = None  # the first collective that failed: the ranks are out of step from there on
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # rank 0: held by a call it leads
 
     @property
@@ -81,8 +82,9 @@ class TpGroup:
     @contextmanager
     def _leading(self, kind: str, args: tuple) -> Iterator[None]:
         with self._lock:
-            if self.closed:
-                raise RunFailure(f"tensor-parallel rank 0 of {self.size}: {kind} after the group was closed")
+            if self.closed or self.failure:
+                raise RunFailure(self.failure or f"tensor-parallel rank 0 of {self.size}: {kind} after the group "
+                                 f"was closed")
             if self.size > 1:
                 self._send(kind, *args, wait_s=self.timeout_s if kind == "run_step" else STARTUP_TIMEOUT_S)
             yield
@@ -108,7 +110,10 @@ class TpGroup:
         timeout, which bounds each of its collectives; past that the groups are left alone."""
         idle = self._lock.acquire(timeout=self.timeout_s)
         try:
-            if idle and not self.closed and self.leader and self.size > 1 and self.control is not None:
+            # After a failed collective a follower may be mid-message (a send that timed out can still arrive):
+            # a stop message would be read as the rest of it. on_close ends the followers instead.
+            in_step = not (self.closed or self.failure)
+            if idle and in_step and self.leader and self.size > 1 and self.control is not None:
                 try:
                     self._send("stop", wait_s=self.timeout_s)
                 except RunFailure:
@@ -146,8 +151,9 @@ class TpGroup:
                 work.wait()
         except RuntimeError as e:  # gloo and NCCL report a lost peer and a timeout alike, as RuntimeError
             limit = self.timeout_s if wait_s is None else wait_s
-            raise RunFailure(f"tensor-parallel rank {self.rank} of {self.size}: {what} failed ({_reason(e)}); "
-                             f"another rank exited or hung longer than the {limit:g} s timeout") from None
+            self.failure = (f"tensor-parallel rank {self.rank} of {self.size}: {what} failed ({_reason(e)}); "
+                            f"another rank exited or hung longer than the {limit:g} s timeout")
+            raise RunFailure(self.failure) from None
         self.calls[what] += 1
         self.seconds[what] += time.perf_counter() - t0
 
