@@ -184,3 +184,21 @@ def test_a_killed_build_does_not_block_the_next(tmp_path):
                             timeout=600)
     assert second.returncode == 0, second.stderr[-500:]
     assert second.stdout.strip() == "paged_attention"
+
+
+@needs_kernel
+def test_the_same_source_in_another_tree_loads_the_same_build(tmp_path):
+    """ninja keys a build by its command line, which names the source file: the kernel is compiled from a copy
+    in its build folder, so a fresh clone or a test's scratch copy of the course loads the build that exists
+    (built from lessons/... itself, each tree rebuilt it after the other had: a minute each time)."""
+    import shutil
+    for part in ("lessons", "shared"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    built = [cpp_backend.build_dir(flags) / ".ninja_log" for flags in cpp_backend.FLAGS]
+    before = [log.read_text() if log.is_file() else "" for log in built]
+    code = "from lessons.l3_block_tensor.backends import cpp_backend as c; c.load_kernel(); print(c.SOURCE)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0 and run.stdout.strip().startswith(str(tmp_path)), run.stderr[-2000:]
+    assert [log.read_text() if log.is_file() else "" for log in built] == before, "the copy rebuilt the kernel"
+    assert "waiting" not in run.stderr and "building" not in run.stderr, run.stderr

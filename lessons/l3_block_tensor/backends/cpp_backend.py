@@ -107,8 +107,9 @@ def _build_and_load() -> ModuleType:
     from torch.utils import cpp_extension
 
     lock_path().parent.mkdir(parents=True, exist_ok=True)
-    with _one_builder(lock_path()) as locked:
-        if not [so for flags in FLAGS for so in build_dir(flags).glob(f"{MODULE}*.so")]:
+    built = bool([so for flags in FLAGS for so in build_dir(flags).glob(f"{MODULE}*.so")])
+    with _one_builder(lock_path(), announce=not built) as locked:
+        if not built:
             print(f"building the C++ paged-attention kernel into {build_dir(FLAGS[0])} (once; about a minute)",
                   file=sys.stderr, flush=True)
         error = ""
@@ -120,15 +121,28 @@ def _build_and_load() -> ModuleType:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises below
-                    return cpp_extension.load(MODULE, [str(SOURCE)], extra_cflags=list(flags),
+                    return cpp_extension.load(MODULE, [str(staged_source(folder))], extra_cflags=list(flags),
                                               extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
             except Exception as e:  # a compiler failing its version check, a compile error, a module that won't load
                 error = _first_error(str(e))
     raise KernelUnavailable(f"the C++ kernel did not build ({error})")
 
 
+def staged_source(folder: Path) -> Path:
+    """The kernel's source, copied into its build folder (the folder's name holds the source's hash). ninja keys a
+    build by its command line, which names the source file: built from SOURCE itself, the same kernel in two trees
+    (a fresh clone, a test's scratch copy) would rebuild each time the other had built it."""
+    staged = folder / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not staged.is_file() or staged.read_bytes() != text:
+        partial = folder / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(text)
+        partial.replace(staged)  # atomic: a reader sees the old file or the whole new one
+    return staged
+
+
 @contextmanager
-def _one_builder(path: Path) -> Iterator[bool]:
+def _one_builder(path: Path, announce: bool = True) -> Iterator[bool]:
     """Holds an exclusive flock on `path` (True), waiting up to BUILD_WAIT_S for another process's build. The OS
     drops a flock when its holder dies, however it dies: a killed build leaves nothing to wait on. Where there
     is no flock (Windows, a file system without locks) it holds nothing (False)."""
@@ -136,10 +150,10 @@ def _one_builder(path: Path) -> Iterator[bool]:
         yield False
         return
     with open(path, "a") as lock:  # closing it, on the way out, releases the lock
-        yield _flock(lock, path)
+        yield _flock(lock, path, announce)
 
 
-def _flock(lock: IO[str], path: Path) -> bool:
+def _flock(lock: IO[str], path: Path, announce: bool = True) -> bool:
     """Takes the lock, polling until BUILD_WAIT_S has passed; False where the file system has no locks."""
     deadline, said = time.monotonic() + BUILD_WAIT_S, False
     while True:
@@ -150,7 +164,7 @@ def _flock(lock: IO[str], path: Path) -> bool:
             if time.monotonic() >= deadline:
                 raise KernelUnavailable(f"another process has been building the C++ kernel for {BUILD_WAIT_S:g} s "
                                         f"(lock: {path})") from None
-            if not said:
+            if announce and not said:  # a first build: a minute's wait deserves a line (a load takes a moment)
                 print("waiting for another process that is building the C++ kernel", file=sys.stderr, flush=True)
                 said = True
             time.sleep(0.1)
