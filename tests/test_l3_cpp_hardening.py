@@ -16,15 +16,7 @@ import pytest
 import torch
 
 from lessons.l3_block_tensor.backends import cpp_backend
-
-ROOT = Path(__file__).resolve().parents[1]
-
-try:
-    cpp_backend.load_kernel()
-    UNAVAILABLE = None
-except cpp_backend.KernelUnavailable as e:
-    UNAVAILABLE = str(e)
-needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C++ kernel is unavailable: {UNAVAILABLE}")
+from test_l3_cpp_backend import ROOT, needs_kernel
 
 
 def one_request(history: int, rows: int, s: int, hq: int, hkv: int, d: int):
