@@ -297,7 +297,7 @@ MUTATIONS: list[Mutation] = [
                     "        return finished"),
                    (L6S, "full, done = seq.num_cached // self.block_size,", "full, done = seq.num_tokens // self.block_size,"))),
     Mutation("l6-ex5-no-wait", "L6 exercise 5", "admission never waits for an in-flight prefix (as wait_for_inflight=False)",
-             L6S, "if len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight:", "if False:",
+             L6S, "return len(hits) < limit and self.keys(seq, limit)[len(hits)] in inflight", "return False",
              (f"{L6_EXACT}::test_same_step_arrivals_sharing_a_prefix",)),
     Mutation("l7-ex-stale-rows", "L7 exercise", "only the real rows of the slot mapping are refilled (stale rows)",
              "lessons/l7_cuda_graphs/static_buffers.py",
