@@ -3,25 +3,35 @@
 Part 1: one layer's `run` on a decode batch (random K/V in scattered pages): the torch oracle, the batched
 backend and the C++ kernel (when it builds), timed in alternating rounds so a busy machine slows all alike,
 beside the memory floor: the K/V bytes the batch reads over this machine's streaming-read rate, measured in
-the same run. Part 2 (--engine): a whole L4 run on the embedded model with each backend, checking the tokens
-are identical. Pin the thread count (OMP_NUM_THREADS=1) and report `uptime` beside the numbers: the ratios
-are the claim, not the times.
+the same run. Part 2: one layer's `run` on prefill rows: 4 slices of 64 rows after 640-token histories (L8's
+chunked prefill) and one whole 512-token prompt. Every backend's output is checked against the oracle's
+first. --threads-scaling: the C++ kernel alone at 1 and 2 threads on each case, and the ratio. --engine: a
+whole L4 run on the embedded model with each backend, checking the tokens are identical. Pin the thread
+count (OMP_NUM_THREADS=1); the conditions (commit, CPU, threads, load average) are printed first and last:
+the ratios are the claim, not the times.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend
-from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable
+from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable, cpu_features
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 
-DRAM_BYTES = 1024**3  # a read this large comes from DRAM on any machine the course runs on (the box's L3: 480 MiB)
+DRAM_BYTES = 1024**3  # a read this large comes from DRAM on any machine the course runs on (the largest L3 seen: 480 MiB)
+ROOT = Path(__file__).resolve().parents[2]
+# (history length, new rows) per request: L8's slices of a long prompt, and one whole prompt
+PREFILL_CASES = {"4 x 64-row slices after 640-token histories": [(704, 64)] * 4,
+                 "one whole 512-token prompt": [(512, 512)]}
 
 
 def cpu_backends() -> dict[str, Callable[[], object]]:
@@ -42,20 +52,64 @@ def read_rate(nbytes: int) -> float:
     return nbytes / alternate({"sum": lambda: x.sum()}, rounds=5, calls=3)["sum"]
 
 
-def decode_batch(args: argparse.Namespace) -> tuple[BatchMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`requests` decodes with histories evenly spread over min..max history, pages shuffled over the pool."""
-    g = torch.Generator().manual_seed(0)
-    step = (args.max_history - args.min_history) / max(1, args.requests - 1)
-    histories = [round(args.min_history + i * step) for i in range(args.requests)]
-    num_blocks = sum(-(-n // args.block_size) for n in histories)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    reqs = [Request(list(range(n)), args.block_size, blocks=[free.pop() for _ in range(-(-n // args.block_size))],
-                    num_cached=n - 1) for n in histories]
+def conditions(dtype: str) -> str:
+    """What the figures belong to: the commit (+dirty when the kernel or this script differ from it), the CPU and
+    its widest vector instructions, torch's threads, the dtype and the load average now."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    dirty = git("status", "--porcelain", "--", "lessons/l3_block_tensor/backends", "scripts/benchmark/attention_bench.py")
+    cpu, flags = "unknown CPU", set(cpu_features().split())
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    vectors = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{'+dirty' if dirty else ''}; {cpu} ({vectors}, "
+            f"{os.cpu_count()} cores); {torch.get_num_threads()} torch thread(s); {dtype}; load average {load}")
+
+
+def make_batch(rows: list[tuple[int, int]], args: argparse.Namespace, seed: int = 0
+               ) -> tuple[BatchMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One request per (history length, new rows), its pages shuffled over the pool, random q, K and V."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // args.block_size) for n, _ in rows]
+    free = torch.randperm(sum(pages), generator=g).tolist()
+    reqs = [Request(list(range(n)), args.block_size, blocks=[free.pop() for _ in range(p)], num_cached=n - new)
+            for (n, new), p in zip(rows, pages)]
     meta = BatchMeta.build(reqs, args.block_size, torch.device("cpu"))
-    shape = (num_blocks, args.block_size, args.hkv, args.head_dim)
+    shape = (sum(pages), args.block_size, args.hkv, args.head_dim)
     dtype = getattr(torch, args.dtype)
     k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
-    return meta, torch.randn(args.requests, args.hq, args.head_dim, generator=g).to(dtype), k, v
+    return meta, torch.randn(meta.num_tokens, args.hq, args.head_dim, generator=g).to(dtype), k, v
+
+
+def decode_rows(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """`requests` decodes with histories evenly spread over min..max history."""
+    step = (args.max_history - args.min_history) / max(1, args.requests - 1)
+    return [(round(args.min_history + i * step), 1) for i in range(args.requests)]
+
+
+def decode_batch(args: argparse.Namespace) -> tuple[BatchMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return make_batch(decode_rows(args), args)
+
+
+def checked_backends(meta: BatchMeta, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: str,
+                     names: list[str] | None = None) -> dict[str, object]:
+    """Each backend planned for `meta`, after its output matched the oracle's within the tests' tolerances."""
+    classes = cpu_backends()
+    backends = {name: cls() for name, cls in classes.items() if names is None or name in names}
+    oracle = TorchBackend()
+    oracle.plan(meta)
+    tol = 1e-5 if dtype == "float32" else 2e-2  # the tolerances of tests/test_l3_batched_backend.py
+    want = oracle.run(q, k, v, meta)
+    for name, b in backends.items():
+        b.plan(meta)
+        torch.testing.assert_close(b.run(q, k, v, meta), want, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    return backends
 
 
 def alternate(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
@@ -74,13 +128,7 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> 
 
 def layer_run(args: argparse.Namespace) -> None:
     meta, q, k, v = decode_batch(args)
-    backends = {name: cls() for name, cls in cpu_backends().items()}
-    for b in backends.values():
-        b.plan(meta)
-    tol = 1e-5 if args.dtype == "float32" else 2e-2  # the tolerances of tests/test_l3_batched_backend.py
-    want = backends["torch"].run(q, k, v, meta)
-    for name, b in backends.items():
-        torch.testing.assert_close(b.run(q, k, v, meta), want, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    backends = checked_backends(meta, q, k, v, args.dtype)
     t = alternate({name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()}, args.rounds, args.calls)
     # What any kernel must read: every K and V row of each request's history, once.
     kv_tokens = int(meta.kv_last_page_len.sum()) + args.block_size * int((meta.kv_indptr.diff() - 1).sum())
@@ -97,6 +145,48 @@ def layer_run(args: argparse.Namespace) -> None:
           f"heads x {args.head_dim} x {k.element_size()} B, K and V) read once, at the rate one sum reads "
           f"a buffer of that size ({rate / 1e9:.1f} GB/s, measured now, same threads); from DRAM (a 1 GiB sum, "
           f"{dram_rate / 1e9:.1f} GB/s) it would be {kv_bytes / dram_rate * 1e3:.3f} ms")
+
+
+def prefill_run(args: argparse.Namespace) -> None:
+    """Each prefill case: one layer's run() with every backend, the output checked against the oracle's."""
+    for case, rows in PREFILL_CASES.items():
+        meta, q, k, v = make_batch(rows, args)
+        backends = checked_backends(meta, q, k, v, args.dtype)
+        t = alternate({name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()}, args.rounds,
+                      max(1, args.calls // 4))
+        print(f"one layer's run(): {case}, S={args.block_size}, Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, "
+              f"{args.dtype}, {torch.get_num_threads()} thread(s): matches the oracle")
+        for name, secs in t.items():
+            print(f"  {name:8s} {secs * 1e3:8.3f} ms   {t['torch'] / secs:6.2f}x the oracle   "
+                  f"{t['batched'] / secs:6.2f}x batched")
+
+
+def threads_scaling(args: argparse.Namespace) -> None:
+    """The C++ kernel at 1 and 2 threads on each case, alternating, planned at each count (plan() splits KV
+    heads when row tiles are fewer than threads). The ratio is only as good as the machine is idle."""
+    threads = torch.get_num_threads()
+    cases = {"decode batch (part 1)": decode_rows(args), **PREFILL_CASES}
+    print(f"the C++ kernel at 1 and 2 threads ({os.cpu_count()} cores), {args.dtype}, load average before "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    try:
+        for case, rows in cases.items():
+            meta, q, k, v = make_batch(rows, args)
+            kernel = checked_backends(meta, q, k, v, args.dtype, names=["cpp"])["cpp"]
+
+            def at(n: int) -> Callable[[], object]:
+                def go() -> object:
+                    torch.set_num_threads(n)
+                    kernel.plan(meta)  # once per step, as the engine does; its cost is in the figure
+                    return [kernel.run(q, k, v, meta) for _ in range(4)]
+                return go
+
+            t = alternate({"1 thread": at(1), "2 threads": at(2)}, args.rounds, max(1, args.calls // 4))
+            print(f"  {case:45s} 1 thread {t['1 thread'] / 4 * 1e3:8.3f} ms   2 threads "
+                  f"{t['2 threads'] / 4 * 1e3:8.3f} ms   {t['1 thread'] / t['2 threads']:5.2f}x")
+    finally:
+        torch.set_num_threads(threads)
+    print(f"  load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min): above ~0 "
+          "others shared the 2 threads' cores, and the ratio is low by their share")
 
 
 def engine_run(args: argparse.Namespace) -> None:
@@ -140,13 +230,22 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of q, K and V (layer part)")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median is reported")
     p.add_argument("--calls", type=int, default=20, help="run() calls per round")
+    p.add_argument("--no-prefill", action="store_true", help="skip part 2 (the prefill cases)")
+    p.add_argument("--threads-scaling", action="store_true",
+                   help="also time the C++ kernel at 1 and 2 threads on every case, and print the ratio")
     p.add_argument("--engine", action="store_true", help="also time a whole L4 run on the embedded model")
     p.add_argument("--new-tokens", type=int, default=16, help="new tokens per request in the --engine run")
     p.add_argument("--engine-rounds", type=int, default=3)
     args = p.parse_args()
+    print(conditions(args.dtype))
     layer_run(args)
+    if not args.no_prefill:
+        prefill_run(args)
+    if args.threads_scaling:
+        threads_scaling(args)
     if args.engine:
         engine_run(args)
+    print(conditions(args.dtype))
 
 
 if __name__ == "__main__":

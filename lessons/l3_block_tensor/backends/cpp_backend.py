@@ -179,18 +179,23 @@ def _first_error(log: str) -> str:
 
 
 class CppBackend:
+    """plan() once per step cuts the step into the kernel's work items (and checks its tables); run() once per
+    layer attends with them, as FlashInfer's wrappers split the work."""
+
     name = "cpp"
 
     def __init__(self) -> None:
         self.kernel = load_kernel()
         self._planned: BatchMeta | None = None
+        self._work: torch.Tensor | None = None  # int64 [items, fields]: request, rows, positions, KV heads
 
     def plan(self, meta: BatchMeta) -> None:
-        # Nothing to prepare: the kernel reads the CSR tables as they are, as FlashInfer's plan() would.
+        # Sized for the thread count of this step: with fewer row tiles than threads, items split KV heads.
+        self._work = self.kernel.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                                      meta.block_size, torch.get_num_threads())
         self._planned = meta
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         if meta is not self._planned:  # a stale plan would silently attend over last step's pages
             raise RuntimeError("run() called with metadata that was not planned: call plan(meta) first")
-        return self.kernel.paged_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                           meta.kv_last_page_len)
+        return self.kernel.run_planned(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, self._work)
