@@ -478,6 +478,18 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   return run_planned(q, k_cache, v_cache, kv_indptr, kv_indices, items);
 }
 
+// exp8 over a float tensor, for the test that holds it to std::exp's accuracy.
+at::Tensor vector_exp(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "vector_exp takes a float32 CPU tensor");
+  const int64_t n = x_in.numel(), padded = (n + kVec - 1) / kVec * kVec;
+  std::vector<float> buf(padded, 0.f);
+  std::memcpy(buf.data(), x_in.contiguous().data_ptr<float>(), n * sizeof(float));
+  for (int64_t i = 0; i < padded; i += kVec) store8(&buf[i], exp8(load8(&buf[i])));
+  at::Tensor out = at::empty_like(x_in, at::MemoryFormat::Contiguous);
+  std::memcpy(out.data_ptr<float>(), buf.data(), n * sizeof(float));
+  return out;
+}
+
 // The calls release the GIL: they touch no Python object, and a long one (64 rows over a 32k history: most of
 // a second) would otherwise stop every other Python thread, a server's event loop included. Arguments are
 // converted before the release and the result after; an error reacquires the GIL and is raised as RuntimeError.
@@ -488,4 +500,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "plan and run_planned in one call",
         py::call_guard<py::gil_scoped_release>());
+  m.def("vector_exp", &vector_exp, "the kernel's exp of eight floats at once, elementwise over a tensor");
 }
