@@ -18,7 +18,7 @@ PAGES = [([1.0, 2.0], [10.0, 20.0]), ([4.0, 3.0], [30.0, 40.0])]
 
 
 def online(pages: list[tuple[list[float], list[float]]], rescale: bool = True, show: bool = False) -> float:
-    """The kernel's loop for one lane (paged_attention.cpp, attend_tile), in plain Python."""
+    """The kernel's loop for one lane (paged_attention.cpp, softmax_page), in plain Python."""
     m, total, acc = -math.inf, 0.0, 0.0  # running max, running sum of weights, running sum of weight x value
     for p, (scores, values) in enumerate(pages):
         page_max = max(scores)
