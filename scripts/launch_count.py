@@ -85,7 +85,8 @@ PIECES = {  # module name suffix -> the piece its ops count under
 
 
 def count_decode_step(cfg: Qwen3Config, dtype: torch.dtype, rows: int = 4) -> dict[str, Counter]:
-    """{"layer": ops of one decoder layer by piece, "outside": embedding, final norm, LM head, fp32 cast}."""
+    """{"layer": ops of one decoder layer by piece,
+    "outside": embedding, RoPE tables, final norm, LM head, fp32 cast}."""
     counter = OpCounter()
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg).to(dtype)
@@ -103,10 +104,12 @@ def count_decode_step(cfg: Qwen3Config, dtype: torch.dtype, rows: int = 4) -> di
         with counter:
             counter.piece = "embedding"
             x = body.embed_tokens(ids)
+            counter.piece = "RoPE tables"  # cos and sin of the step's positions: once per step, not per layer
+            rope_tables = body.rotary.tables(positions, dtype)
         outside = counter.counts
         counter.counts = Counter()
         with counter:
-            x = body.layers[0](x, positions, body.rotary, kv, positions)
+            x = body.layers[0](x, rope_tables, body.rotary, kv, positions)
         layer, counter.counts = counter.counts, outside
         with counter:
             counter.piece = "final norm"
@@ -147,8 +150,10 @@ def graph_share(cfg: Qwen3Config, counts: dict[str, Counter]) -> str:
     """What L7's captured step holds: the body, and one copy of its output into the static hidden buffer.
     The LM head and the cast run after the replay, on the real rows only; sampling and plan() are host work."""
     out = counts["outside"]
-    inside = out["embedding"] + cfg.num_hidden_layers * sum(counts["layer"].values()) + out["final norm"] + 1
-    return (f"embedding {out['embedding']} + {cfg.num_hidden_layers} x {sum(counts['layer'].values())} + final norm "
+    inside = (out["embedding"] + out["RoPE tables"] + cfg.num_hidden_layers * sum(counts["layer"].values())
+              + out["final norm"] + 1)
+    return (f"embedding {out['embedding']} + RoPE tables {out['RoPE tables']} + {cfg.num_hidden_layers} x "
+            f"{sum(counts['layer'].values())} + final norm "
             f"{out['final norm']} + copy into the static hidden buffer 1 = {inside:,} replayed in one launch; "
             f"after it, eagerly: LM head {out['LM head']}, fp32 cast {out['fp32 cast']}, sampling; before it: plan()")
 

@@ -17,6 +17,9 @@ from shared.errors import CourseError
 from shared.layers import MLP, RMSNorm, RotaryEmbedding
 
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # one step's cos and signed sin, [T, 1, D] each (RotaryEmbedding.tables)
+
+
 class KvAttention(Protocol):
     """The seam every lesson fills: store this step's k, v and attend q over the request's history.
 
@@ -38,12 +41,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)  # per-head norms: Qwen3's addition over Qwen2
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv: KvAttention, meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_tables: RopeTables, rope: RotaryEmbedding, kv: KvAttention,
+                meta: Any) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, self.hq, self.d))
         k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))
         v = self.v_proj(x).view(t, self.hkv, self.d)
-        q, k = rope(q, k, positions)  # the cache stores keys after RoPE
+        q, k = rope(q, k, rope_tables)  # the cache stores keys after RoPE
         out = kv.attend(self.layer, q, k, v, meta)
         return self.o_proj(out.reshape(t, self.hq * self.d))
 
@@ -56,9 +60,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv: KvAttention, meta: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope_tables: RopeTables, rope: RotaryEmbedding, kv: KvAttention,
+                meta: Any) -> torch.Tensor:
+        # x is this step's own residual stream (the embedding's fresh output, then these sums): added to in place.
+        x.add_(self.self_attn(self.input_layernorm(x), rope_tables, rope, kv, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Qwen3Body(nn.Module):
@@ -83,8 +89,10 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KvAttention, meta: Any) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, E]. Call `logits` on the rows you need."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary
+        rope_tables = rope.tables(positions, x.dtype)  # cos and sin depend on positions only: once per step
         for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary, kv, meta)
+            x = layer(x, rope_tables, rope, kv, meta)
         return self.model.norm(x)
 
     @torch.inference_mode()
