@@ -30,6 +30,7 @@ from lessons.l9_server.detokenizer import TokenBytes
 from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, EventBuffer, Failed, Finished, Subscriber
 from lessons.l9_server.metrics import ServerMetrics
+from lessons.l9_server.protocol import parse_completion
 
 TIMEOUT = 20.0
 
@@ -263,3 +264,75 @@ def test_a_client_that_never_reads_is_cut_with_its_buffer_bounded(tokenizer, mon
     assert loop.metrics.registry.get_sample_value("paged_slow_readers_total") == 1
     assert finished(loop, "abort") == 1 and finished(loop, "length") == 0
     assert "request 0: its client fell 40 tokens behind the stream; aborted (slow reader)" in capsys.readouterr().err
+
+
+# --- fewer wake-ups and fewer writes (issue 28) ---
+
+
+def test_the_engine_thread_wakes_the_event_loop_once_per_pass_not_once_per_event(tokenizer):
+    """4 requests of 4 tokens each: 24 events (Accepted, 4 Deltas, Finished per request) reach their
+    buffers, in order, through at most one call_soon_threadsafe per engine step plus one per drain of the
+    inbox that admitted something (4 submits: at most 4), never one per event."""
+    loop = make_loop(tokenizer)
+    steps, calls = [], []
+    step = loop.engine.step
+
+    def counted_step():
+        steps.append(1)
+        return step()
+
+    loop.engine.step = counted_step
+
+    async def main():
+        aio = asyncio.get_running_loop()
+        call_soon_threadsafe = aio.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return call_soon_threadsafe(*args, **kwargs)
+
+        aio.call_soon_threadsafe = counted
+        subs = [Subscriber(aio) for _ in range(4)]
+        for k, sub in enumerate(subs):
+            prompt = [1 + k, 2, 3]
+            loop.submit(prompt, parse_completion({"model": "m", "prompt": prompt, "max_tokens": 4,
+                                                  "temperature": 0, "ignore_eos": True}, 16), sub)
+        got = []
+        for sub in subs:
+            mine = [await asyncio.wait_for(sub.events.get(), TIMEOUT)]
+            while not isinstance(mine[-1], (Finished, Failed)):
+                mine.append(await asyncio.wait_for(sub.events.get(), TIMEOUT))
+            got.append(mine)
+        return got
+
+    got = run_with(loop, main)
+    for k, events in enumerate(got):
+        assert events[0] == Accepted(3) and events[-1] == Finished(3, 4)
+        assert [t for d in events[1:-1] for t in d.token_ids] == reference([1 + k, 2, 3], 4)
+    assert sum(map(len, got)) == 24
+    assert len(calls) <= len(steps) + 4 < 24, (len(calls), len(steps))
+
+
+def test_a_stream_sends_what_waits_in_one_write(tokenizer):
+    """n = 2, include_usage: a step's Deltas of both choices arrive together and leave in one body message
+    (a reader slower than the engine gets several steps in one), and the last message carries both finish
+    chunks, the usage chunk and [DONE] together (one write, not four)."""
+    loop = make_loop(tokenizer)
+    app = create_app(served(tokenizer), loop)
+    client = Client({"model": "m", "prompt": [1, 2, 3], "max_tokens": 6, "n": 2, "stream": True,
+                     "temperature": 1.0, "seed": 5, "ignore_eos": True, "return_token_ids": True,
+                     "stream_options": {"include_usage": True}})
+    run_with(loop, lambda: client.call(app))
+    writes = [m["body"].decode() for m in client.sent if m["type"] == "http.response.body" and m.get("body")]
+    events = [[e.removeprefix("data: ") for e in w.split("\n\n") if e] for w in writes]
+    chunks = [[json.loads(e) for e in w if e != "[DONE]"] for w in events]
+    assert events[-1][-1] == "[DONE]" and all("[DONE]" not in w for w in events[:-1])
+    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for w in chunks for c in w
+                if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [(0, "length"), (1, "length")]
+    last = chunks[-1]
+    assert sum(c["choices"][0]["finish_reason"] == "length" for c in last if c["choices"]) == 2
+    assert last[-1]["choices"] == [] and last[-1]["usage"]["completion_tokens"] == 12
+    for write in chunks:  # both choices advance in every step (a slow reader's write holds several steps)
+        assert {c["choices"][0]["index"] for c in write if c["choices"]} == {0, 1}, write
+    assert sum(len(c["choices"][0]["token_ids"]) for w in chunks for c in w if c["choices"]) == 12

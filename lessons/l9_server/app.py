@@ -168,22 +168,31 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
                                       generated=0 if req.continuous_usage else None))
             started = set(range(req.n))
         while not done:
-            event = await subscriber.events.get()
-            if isinstance(event, Delta):
-                generated += len(event.token_ids)
-                if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):
-                    yield sse(shape.chunk(event.index, event.text, event.token_ids, event.finish_reason,
-                                          req.include_usage, first=event.index not in started,
-                                          generated=generated if req.continuous_usage else None))
-                    started.add(event.index)
-            elif isinstance(event, Finished):
-                if req.include_usage:
-                    yield sse(shape.usage_chunk(event.prompt_tokens, event.completion_tokens))
-                done = True
-            elif isinstance(event, Failed):  # the engine failed, or this client fell behind: say so in-band
-                yield sse(event.error.body())
-                done = True
-        yield sse("[DONE]")  # after an error event too, as vLLM does: clients wait for it to end the stream
+            # every event waiting goes out in one write: one step's n choices, a lagging reader's backlog,
+            # the last tokens with the usage chunk and [DONE]; one send through the ASGI stack, one syscall
+            events = [await subscriber.events.get()]
+            while not subscriber.events.empty():
+                events.append(subscriber.events.get_nowait())
+            out: list[str] = []
+            for event in events:
+                if isinstance(event, Delta):
+                    generated += len(event.token_ids)
+                    if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):
+                        out.append(sse(shape.chunk(event.index, event.text, event.token_ids, event.finish_reason,
+                                                   req.include_usage, first=event.index not in started,
+                                                   generated=generated if req.continuous_usage else None)))
+                        started.add(event.index)
+                elif isinstance(event, Finished):
+                    if req.include_usage:
+                        out.append(sse(shape.usage_chunk(event.prompt_tokens, event.completion_tokens)))
+                    done = True
+                elif isinstance(event, Failed):  # the engine failed, or this client fell behind: say so in-band
+                    out.append(sse(event.error.body()))
+                    done = True
+            if done:  # after an error event too, as vLLM does: clients wait for it to end the stream
+                out.append(sse("[DONE]"))
+            if out:  # a Delta may carry no text yet (half a character): nothing to send
+                yield "".join(out)
 
     async def whole(request: Request, shape: ResponseShape, req: GenerationRequest, ids: list[int],
                     subscriber: Subscriber, request_id: int) -> Response:

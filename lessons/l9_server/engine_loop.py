@@ -5,9 +5,12 @@ loop: every client would freeze for every step. It runs in a thread of its own i
 
   inbox (thread-safe queue.Queue)    handlers put ("submit", ...) and ("abort", id); the engine thread
                                      drains it between steps, so the engine never changes under a step
-  each request's EventBuffer         the engine thread puts events with call_soon_threadsafe; the handler
-                                     awaits them (Accepted or Failed first, then Deltas, then Finished);
-                                     a reader that lags gets its Deltas merged, one that stalls is cut
+  each request's EventBuffer         the engine thread gathers the events of one pass (a drain of the
+                                     inbox, or one step's output for every request) in an Outbox and hands
+                                     them over in one call_soon_threadsafe: one wake-up of the event loop
+                                     per step, not one per request; the handler awaits them (Accepted or
+                                     Failed first, then Deltas, then Finished); a reader that lags gets its
+                                     Deltas merged, one that stalls is cut
 
 After each step the thread turns every choice's new tokens into text (detokenizer, then stop strings), so
 a stop string ends its sequence in the same step the text shows it, with no round trip to a handler.
@@ -152,10 +155,43 @@ class Subscriber:
         self.loop, self.events = loop, EventBuffer()
 
     def put(self, event: Event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.push, event)
-        except RuntimeError:  # the event loop has closed (the server is exiting): nobody is listening
-            pass
+        """One event on its own (the engine thread sends through an Outbox instead)."""
+        call_soon(self.loop, self.events.push, event)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the event loop has closed (the server is exiting): nobody is listening
+        pass
+
+
+def deliver(batch: list[tuple[EventBuffer, Event]]) -> None:
+    """On the event loop: one pass's events, pushed in the order the engine thread made them."""
+    for events, event in batch:
+        events.push(event)
+
+
+class Outbox:
+    """The events of one pass of the engine thread, handed to the event loop together.
+
+    Each call_soon_threadsafe wakes the event loop through its self-pipe (a syscall on each side) and
+    queues a callback: one per request per step would cost the engine thread, which is the server's
+    bottleneck, a wake-up for every stream. Order is kept: one list, delivered in one callback per loop."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Subscriber, Event]] = []
+
+    def put(self, subscriber: Subscriber, event: Event) -> None:
+        self.pending.append((subscriber, event))
+
+    def flush(self) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[EventBuffer, Event]]] = {}
+        for subscriber, event in self.pending:  # one loop in a server; tests may run several
+            batches.setdefault(subscriber.loop, []).append((subscriber.events, event))
+        self.pending = []
+        for loop, batch in batches.items():
+            call_soon(loop, deliver, batch)
 
 
 @dataclass
@@ -186,6 +222,7 @@ class EngineLoop:
         self.eos_ids, self.max_waiting = eos_ids, max_waiting
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # engine thread only
+        self.outbox = Outbox()  # engine thread only: flushed after each drain and each step
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.accepting = True
         self.failure: str | None = None
@@ -239,9 +276,11 @@ class EngineLoop:
         try:
             self.metrics.update(self.engine)  # a fresh server's pool, before the first request arrives
             while self._drain(block=not self.engine.scheduler.has_work()):
+                self.outbox.flush()  # Accepted (or a refusal) before the step: headers go out meanwhile
                 if self.engine.scheduler.has_work():
                     self.engine.step()
                     self._emit(time.perf_counter())
+                    self.outbox.flush()
                 self._engine_waiting = sum(1 + len(s.extra.get("forks", ())) for s in self.engine.scheduler.waiting)
                 self.metrics.update(self.engine)
         except Exception as e:  # a bug, or the device failing: every request in flight learns of it
@@ -259,7 +298,7 @@ class EngineLoop:
             self._closed, self.accepting = True, False
         failed = Failed(ApiError(503, self.failure or "the server is shutting down", kind="server_error"))
         for job in self.jobs.values():
-            job.subscriber.put(failed)
+            self.outbox.put(job.subscriber, failed)  # after whatever a failed pass left unsent: order kept
         self.jobs.clear()
         while True:
             try:
@@ -267,7 +306,8 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "submit":
-                job.subscriber.put(failed)
+                self.outbox.put(job.subscriber, failed)
+        self.outbox.flush()
 
     def _drain(self, block: bool) -> bool:
         """Handle everything in the inbox (waiting for one message first if idle). False: stop."""
@@ -290,7 +330,7 @@ class EngineLoop:
             stop = StopRule(req.max_tokens, self.eos_ids, req.ignore_eos)
             seqs = self.engine.add_parallel(job.prompt_ids, stop, req.sampling, req.n)
         except CourseError as e:  # the app checked the fields; what is left is the pool: a request it can never hold
-            job.subscriber.put(Failed(ApiError(400, str(e), "max_tokens")))
+            self.outbox.put(job.subscriber, Failed(ApiError(400, str(e), "max_tokens")))
             return
         except Exception:  # an engine bug, its state now unknown: the loop fails, and this request learns it too
             self.jobs[request_id] = job
@@ -301,7 +341,7 @@ class EngineLoop:
         job.choices = [Choice(seq, IncrementalDetokenizer(self.token_bytes), StopStringMatcher(req.stop_strings))
                        for seq in seqs]
         self.jobs[request_id] = job
-        job.subscriber.put(Accepted(len(job.prompt_ids)))
+        self.outbox.put(job.subscriber, Accepted(len(job.prompt_ids)))
 
     def _emit(self, now: float) -> None:
         """Every choice that gained tokens in this step: text out, stop strings checked, finishes sent."""
@@ -324,11 +364,11 @@ class EngineLoop:
                     choice.finish_reason = "stop"
                 elif seq.status is Status.FINISHED:
                     choice.finish_reason = self._finish_reason(seq, job.request)
-                job.subscriber.put(Delta(index, text, new, choice.finish_reason))
+                self.outbox.put(job.subscriber, Delta(index, text, new, choice.finish_reason))
                 if choice.finish_reason is not None:
                     self.metrics.requests.labels(choice.finish_reason).inc()
             if all(c.finish_reason is not None for c in job.choices):
-                job.subscriber.put(Finished(len(job.prompt_ids), sum(c.sent for c in job.choices)))
+                self.outbox.put(job.subscriber, Finished(len(job.prompt_ids), sum(c.sent for c in job.choices)))
                 self._end(request_id, None)
 
     def _finish_reason(self, seq: SharedSequence, req: GenerationRequest) -> str:
