@@ -5,6 +5,7 @@ load, one invocation.
         [--endpoint chat|completions] [--input-len 32-256] [--output-len 16-64] [--seed 0] [--threads 1]
         [--only ours|hf] [--num-blocks N] [--max-batched-tokens N] [--ours-args="..."] [--hf-args="..."]
         [--model DIR] [--json PATH]
+    OMP_NUM_THREADS=1 python scripts/benchmark/l9_bench.py --curve [--png PATH]
 
 Each server runs as a child process on a free loopback port, with OMP_NUM_THREADS=--threads, one at a time
 (ours first, then HF's; never both: on a 2-core machine they would take each other's cores). The bench waits
@@ -30,7 +31,14 @@ it); HF's server keeps its own defaults (--hf-args passes its --cb-* options).
 Reported per concurrency, ours and HF's side by side with the ratio ours / HF: request and output-token
 throughput, TTFT p50/p99, TPOT p50/p99, ITL p50/p99 and E2EL p50; with the thread count and load average.
 Target (a benchmark, not a test): at every concurrency, at least 2x HF's output-token throughput with a lower
-p99 TTFT. The default run (64 requests at concurrency 8 and 32) takes about 80 s on one thread of this
+p99 TTFT.
+
+--curve measures throughput against concurrency instead: 1, 2, 4, ... 64 clients, max(16, 2 x concurrency)
+requests at each (--num-requests overrides), outputs of 16-32 tokens unless --output-len says otherwise,
+both servers through every level (ours first, then HF's, as above). It prints each server's output tok/s
+and p99 TTFT per level, and where each saturates: the fewest clients that reach 90% of its best
+throughput. --png PATH draws both curves. About 4 minutes on this course's 2-core machine; few requests a
+level, so the ramp-up and the drain weigh on each point (the same on both servers). The default run (64 requests at concurrency 8 and 32) takes about 80 s on one thread of this
 course's 2-core machine, --quick (16 requests at 4 and 8) about 45 s; half of either is starting and warming
 up the servers (HF's builds its batching engine on its first request: about 10 s).
 """
@@ -70,6 +78,10 @@ from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 FULL = {"num_requests": 64, "concurrency": "8,32"}
 QUICK = {"num_requests": 16, "concurrency": "4,8"}
+CURVE = {"concurrency": "1,2,4,8,16,32,64", "output_len": "16-32"}
+CURVE_MIN_REQUESTS = 16  # a level's requests: max(this, 2 x its concurrency), so each client sends twice
+SATURATED = 0.9  # a server saturates at the fewest clients that reach this share of its best throughput
+OUTPUT_LEN = "16-64"
 BLOCK_SIZE = 16
 CHAT_OVERHEAD = 16  # tokens a chat template adds around one user message, with room to spare
 WARMUP = LoadSpec(num_requests=4, concurrency=4, input_len=(16, 48), output_len=(8, 8), seed=12345)
@@ -314,11 +326,16 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog="l9_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK['num_requests']} requests at concurrency {QUICK['concurrency']}")
+    p.add_argument("--curve", action="store_true",
+                   help=f"throughput against concurrency {CURVE['concurrency']}, max({CURVE_MIN_REQUESTS}, 2 x "
+                        f"concurrency) requests each, outputs of {CURVE['output_len']} tokens")
+    p.add_argument("--png", metavar="PATH", help="--curve: draw both servers' curves into this PNG")
     p.add_argument("--concurrency", help=f"comma-separated (default: {FULL['concurrency']})")
     p.add_argument("--num-requests", type=int, help=f"requests per concurrency (default: {FULL['num_requests']})")
     p.add_argument("--endpoint", default="chat", choices=("chat", "completions"))
     p.add_argument("--input-len", default="32-256", help="prompt words, MIN-MAX (default: 32-256)")
-    p.add_argument("--output-len", default="16-64", help="output tokens, MIN-MAX (default: 16-64)")
+    p.add_argument("--output-len", help=f"output tokens, MIN-MAX (default: {OUTPUT_LEN}; --curve: "
+                   f"{CURVE['output_len']})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server (default: 1)")
     p.add_argument("--only", choices=("ours", "hf"), help="run one server only (no ratios, no target)")
@@ -336,15 +353,29 @@ def parser() -> OneLineParser:
 
 def settings(args) -> list[LoadSpec]:
     """Fill what --quick decides and check every option: a bad one fails here, before any server starts."""
-    base = QUICK if args.quick else FULL
+    if args.quick and args.curve:
+        raise CourseError("--quick and --curve are two different runs: pick one")
+    if args.png and not args.curve:
+        raise CourseError("--png draws the --curve run: add --curve")
+    base = CURVE if args.curve else QUICK if args.quick else FULL
     args.concurrency = args.concurrency or base["concurrency"]
-    args.num_requests = args.num_requests or base["num_requests"]
+    args.output_len = args.output_len or base.get("output_len", OUTPUT_LEN)
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         raise CourseError(f"--concurrency {args.concurrency!r}: use comma-separated integers") from None
     if any(c < 1 for c in levels):
         raise CourseError(f"--concurrency: every level must be at least 1, got {levels}")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise CourseError(f"--num-requests must be at least 1, got {args.num_requests}")
+    per_level = {c: args.num_requests or (max(CURVE_MIN_REQUESTS, 2 * c) if args.curve else base["num_requests"])
+                 for c in levels}
+    args.num_requests = args.num_requests or base.get("num_requests")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401  (fail before the run, not after it)
+        except ImportError:
+            raise CourseError("--png needs matplotlib: pip install matplotlib") from None
     for name in ("threads", "num_blocks", "max_batched_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -352,10 +383,10 @@ def settings(args) -> list[LoadSpec]:
     if not args.startup_timeout > 0:
         raise CourseError(f"--startup-timeout must be positive, got {args.startup_timeout}")
     try:
-        base_spec = LoadSpec(num_requests=args.num_requests, input_len=parse_range(args.input_len, "input-len"),
+        base_spec = LoadSpec(num_requests=per_level[levels[0]], input_len=parse_range(args.input_len, "input-len"),
                              output_len=parse_range(args.output_len, "output-len"), seed=args.seed,
                              endpoint=args.endpoint, ignore_eos=True, timeout=args.timeout)
-        specs = [replace(base_spec, concurrency=c) for c in levels]
+        specs = [replace(base_spec, concurrency=c, num_requests=per_level[c]) for c in levels]
         for spec in specs:
             spec.check()
         for flag, text in (("--ours-args", args.ours_args), ("--hf-args", args.hf_args)):
@@ -452,7 +483,9 @@ def main() -> None:
     spec = specs[0]
     console.print(f"[bold]L9 server benchmark[/]: {model_dir.name}, cpu, {args.threads} thread(s) per server, "
                   f"seed {args.seed}")
-    console.print(f"  load: {spec.num_requests} {spec.endpoint} requests at concurrency "
+    requests = (f"{spec.num_requests}" if len({s.num_requests for s in specs}) == 1
+                else "/".join(str(s.num_requests) for s in specs))
+    console.print(f"  load: {requests} {spec.endpoint} requests at concurrency "
                   f"{', '.join(str(s.concurrency) for s in specs)}, all released at once; prompts of "
                   f"{spec.input_len[0]}-{spec.input_len[1]} words, {spec.output_len[0]}-{spec.output_len[1]} output "
                   f"tokens each (end-of-sequence ignored), greedy")
@@ -471,8 +504,13 @@ def main() -> None:
     rows = compare(measured, specs)
     show(console, rows, list(measured))
     clean = report_checks(console, rows, measured)
-    goal = None
-    if len(measured) == 2:
+    goal, curve = None, None
+    if args.curve:
+        curve = curve_summary(rows, list(measured))
+        show_curve(console, curve, list(measured))
+        if args.png:
+            console.print(f"plot written to {plot_curve(curve, list(measured), Path(args.png), conditions)}")
+    elif len(measured) == 2:
         goal = target(rows)
         per = "; ".join(f"concurrency {c}: throughput {v['throughput_x']:.2f}x, TTFT p99 {v['ttft_p99_x']:.2f}x"
                         for c, v in goal["per_concurrency"].items()
@@ -480,19 +518,105 @@ def main() -> None:
         verdict = "[green]met[/]" if goal["met"] else "[red]not met[/]"
         console.print(f"target {verdict} (≥ {THROUGHPUT_TARGET:g}x HF's output-token throughput with a lower p99 TTFT "
                       f"at every concurrency): {per}")
-    report = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
+    report = {"command": " ".join(sys.argv), "machine": f"{cpu_name()}, "
               f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "model": str(model_dir),
               "conditions": conditions, "threads": args.threads, "wall_seconds": wall, "our_num_blocks": args.num_blocks,
               "hf_args": args.hf_args, "ours_args": args.ours_args,
               "servers": {label: {"exit_status": m["exit_status"], "notes": m["notes"],
                                   "runs": [load_json(r) for _, r in m["runs"]]} for label, m in measured.items()},
-              "comparison": [{k: v for k, v in row.items() if k != "summaries"} for row in rows], "target": goal}
+              "comparison": [{k: v for k, v in row.items() if k != "summaries"} for row in rows], "target": goal,
+              "curve": curve}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
         console.print(f"results written to {args.json}")
     console.print(f"wall time {wall:.0f} s")
     raise SystemExit(0 if clean else 1)
+
+
+# ----- the curve -----
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's "Model name"), for the conditions a figure was measured under."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def curve_summary(rows: list[dict], labels: list[str]) -> dict:
+    """Per server: output tok/s and p99 TTFT at each concurrency, its best throughput, and where it saturates
+    (the fewest clients reaching SATURATED of that best)."""
+    out = {}
+    for label in labels:
+        points = [{"concurrency": row["concurrency"], "output_tok_s": row["servers"][label]["output tok/s"],
+                   "ttft_p99_ms": row["servers"][label]["TTFT p99"]} for row in rows]
+        best = max((p["output_tok_s"] or 0.0) for p in points)
+        saturates = next((p["concurrency"] for p in points if (p["output_tok_s"] or 0.0) >= SATURATED * best), None)
+        out[label] = {"points": points, "best_output_tok_s": best, "saturates_at": saturates}
+    return out
+
+
+def show_curve(console: Console, curve: dict, labels: list[str]) -> None:
+    t = Table(title="throughput against concurrency")
+    t.add_column("concurrency", justify="right")
+    for label in labels:
+        t.add_column(f"{label} tok/s", justify="right")
+        t.add_column(f"{label} TTFT p99 (ms)", justify="right")
+    if len(labels) == 2:
+        t.add_column("tok/s ours / HF", justify="right")
+    for k, point in enumerate(curve[labels[0]]["points"]):
+        cells = [str(point["concurrency"])]
+        values = [curve[label]["points"][k] for label in labels]
+        for v in values:
+            cells += [f"{v['output_tok_s']:,.1f}" if v["output_tok_s"] is not None else "—",
+                      f"{v['ttft_p99_ms']:,.0f}" if v["ttft_p99_ms"] is not None else "—"]
+        if len(labels) == 2:
+            x = ratio(values[0]["output_tok_s"], values[1]["output_tok_s"])
+            cells.append("—" if x is None else f"{x:.2f}x")
+        t.add_row(*cells)
+    console.print(t)
+    for label in labels:
+        c = curve[label]
+        console.print(f"  {label}: best {c['best_output_tok_s']:,.1f} output tok/s; saturates at {c['saturates_at']} "
+                      f"client(s) (the fewest reaching {SATURATED:.0%} of its best)")
+
+
+def plot_curve(curve: dict, labels: list[str], path: Path, conditions: dict) -> Path:
+    """Output tok/s (left) and p99 TTFT (right) against concurrency, one line per server, log2 x-axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, color in zip(labels, ("tab:blue", "tab:orange")):
+        points = [p for p in curve[label]["points"] if p["output_tok_s"] is not None]
+        xs = [p["concurrency"] for p in points]
+        left.plot(xs, [p["output_tok_s"] for p in points], "-o", color=color, label=names[label])
+        right.plot(xs, [p["ttft_p99_ms"] for p in points], "-o", color=color, label=names[label])
+        if curve[label]["saturates_at"] is not None:
+            left.axvline(curve[label]["saturates_at"], color=color, ls=":", lw=1)
+    for ax, what in ((left, "output tokens/s"), (right, "TTFT p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    left.set_title("throughput (dotted: where each saturates)", fontsize=9)
+    right.set_title("time to first token, p99", fontsize=9)
+    fig.suptitle(f"{conditions['threads']} torch thread(s) per server, {cpu_name()}, load average "
+                 f"{conditions['load_before']['load1']:.2f} before the run", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def load_json(result: LoadResult) -> dict:
