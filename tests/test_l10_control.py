@@ -26,6 +26,7 @@ from lessons.l4_continuous.sequence import Sequence
 from lessons.l8_chunked_prefill.slice import Slice
 from lessons.l10_tensor_parallel.group import TpGroup
 from lessons.l10_tensor_parallel.runner import TpRunner
+from lessons.l10_tensor_parallel.tables import SentTables
 from shared.errors import RunFailure
 
 CPU = torch.device("cpu")
@@ -142,7 +143,7 @@ def test_every_kind_of_message_round_trips_as_int64_tensors_without_pickle(monke
         for want, s in zip(slices, got[1], strict=True):
             assert (s.block_size, s.blocks, s.num_cached, s.num_tokens, s.decode, s.samples) == \
                    (want.block_size, want.blocks, want.num_cached, want.num_tokens, want.decode, want.samples)
-            assert s.prompt_ids[s.num_cached:] == want.prompt_ids[want.num_cached:]
+            assert s.token_ids(s.num_cached, s.num_tokens) == want.token_ids(want.num_cached, want.num_tokens)
     sender = FakeDist().install(monkeypatch)
     TpGroup(0, 2, CPU, 5.0, compute="compute", control="control").close()  # the stop message
     assert deliver(sender, monkeypatch) is None
@@ -212,7 +213,7 @@ def test_collectives_are_async_and_waited_for_with_the_step_timeout(monkeypatch)
 def stepping_runner(group: TpGroup) -> TpRunner:
     """TpRunner.forward as the engine thread calls it, with a step that is one all-reduce."""
     runner = TpRunner.__new__(TpRunner)
-    runner.tp, runner.allocator = group, SimpleNamespace(take_copies=list)
+    runner.tp, runner.allocator, runner.sent_tables = group, SimpleNamespace(take_copies=list), SentTables()
     runner.run_step = lambda slices, copies: group.all_reduce(torch.ones(2))
     return runner
 

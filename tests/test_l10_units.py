@@ -411,7 +411,7 @@ def test_sent_slice_round_trip_keeps_what_the_runner_reads(history, new):
     [got] = trip([s])
     assert (got.block_size, got.blocks, got.num_cached, got.num_tokens, got.decode, got.samples) == \
            (s.block_size, s.blocks, s.num_cached, s.num_tokens, new == 1, True)
-    assert got.prompt_ids[got.num_cached:] == s.prompt_ids[s.num_cached:]  # the tokens this step feeds
+    assert got.token_ids(got.num_cached, got.num_tokens) == s.token_ids(s.num_cached, s.num_tokens)  # fed now
     a, b = BatchMeta.build([s], 16, CPU), BatchMeta.build([got], 16, CPU)
     for field in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping", "last_rows"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field

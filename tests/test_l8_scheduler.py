@@ -85,7 +85,8 @@ class Audit:
             assert start == seq.num_cached and start < end <= seq.num_tokens, (
                 f"step {step}: request {seq.seq_id} sliced {start}..{end}, "
                 f"{seq.num_cached} of {seq.num_tokens} computed")
-            assert p.prompt_ids == seq.all_tokens()[:end] and p.output_ids == []
+            assert p.token_ids(0, p.num_tokens) == seq.all_tokens()[:end], "a slice is the request cut at its end"
+            assert p.prompt_ids is seq.prompt_ids and p.output_ids is seq.output_ids, "a slice copied the tokens"
             assert p.blocks is seq.blocks and len(seq.blocks) >= blocks_for(end, e.block_size), "blocks not reserved"
             assert decode == (seq in decodes), f"step {step}: request {seq.seq_id} decode flag {decode}"
             assert samples == (end == seq.num_tokens)

@@ -19,5 +19,7 @@ def follow(group: TpGroup) -> None:
             model = TpQwen3ForCausalLM.load(Path(model_dir), DTYPES[dtype], group)
         elif kind == "build_runner":  # rank 0's engine is building its runner (same pool size, same backend)
             runner = TpRunner(model, *args)
-        else:  # "capture" or "run_step": the runner's own methods, called as rank 0 called them
-            getattr(runner, kind)(*args)  # logits come back None here: rank 0 samples
+        elif kind == "run_step":  # rank 0's step; its block tables arrive as changes to this rank's copies
+            runner.follow_step(*args)  # logits come back None here: rank 0 samples
+        else:  # "capture": the runner's own method, called as rank 0 called it
+            getattr(runner, kind)(*args)

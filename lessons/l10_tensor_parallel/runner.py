@@ -3,8 +3,8 @@
 Each call that builds or runs something (the runner itself, the graph capture, a step) is first sent
 to the followers (`lead`), so every rank makes the same calls in the same order: the same block ids,
 the same padded sizes, the same collectives. A step travels as its slices, trimmed to what a follower
-needs (wire.py: their numbers, block tables and new tokens), plus the copy-on-write copies the scheduler
-made since the last step.
+needs (wire.py: their numbers, new tokens, and the block-table entries the follower's copy lacks, see
+tables.py), plus the copy-on-write copies the scheduler made since the last step.
 """
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from lessons.l2_token_flat.request import Request
 from lessons.l8_chunked_prefill.runner import ChunkedRunner
 from lessons.l8_chunked_prefill.slice import Slice
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM
+from lessons.l10_tensor_parallel.tables import KeptTables, SentTables
+from lessons.l10_tensor_parallel.wire import SentSlice
 
 
 class TpRunner(ChunkedRunner):
     def __init__(self, model: TpQwen3ForCausalLM, block_size: int, num_blocks: int, backend: str = "auto"):
         self.tp = model.tp
+        self.sent_tables, self.kept_tables = SentTables(), KeptTables()  # rank 0 uses the first, followers the second
         with self.tp.lead("build_runner", block_size, num_blocks, backend):
             super().__init__(model, block_size, num_blocks, backend)  # a pool of this rank's KV heads only
 
@@ -29,8 +32,13 @@ class TpRunner(ChunkedRunner):
     def forward(self, slices: list[Slice]) -> torch.Tensor:
         """Rank 0, from the engine's step: send the step, then run it. Logits [slices that sample, vocab]."""
         copies = self.allocator.take_copies()  # the ref-counted manager's copy-on-write, not yet made
-        with self.tp.lead("run_step", slices, copies):  # close() waits for the step's collectives to end
+        starts = self.sent_tables.starts(slices)  # per slice, the first table entry the followers lack
+        with self.tp.lead("run_step", slices, copies, starts):  # close() waits for the step's collectives to end
             return self.run_step(slices, copies)
+
+    def follow_step(self, slices: list[SentSlice], copies: list[tuple[int, int]]) -> None:
+        """A follower: rank 0's step, each slice's table joined to this rank's copy first."""
+        self.run_step(self.kept_tables.join(slices), copies)
 
     def run_step(self, slices: list[Request], copies: list[tuple[int, int]]) -> torch.Tensor | None:
         """Every rank: the deferred copies first (this step may write into a copy), then L8's step."""

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from lessons.l2_token_flat.request import Request
+from lessons.l4_continuous.table_tensor import TableTensor
 from lessons.l8_chunked_prefill.slice import Slice
 
 KINDS = ("stop", "load", "build_runner", "capture", "run_step")
 MAGIC = 0x4C3130  # "L10": a header that does not start with it was not written by pack
 HEADER_LEN = 3
-MAX_PAYLOAD = 1 << 28  # int64s; far above any step (a step sends its new tokens and block tables only)
+MAX_PAYLOAD = 1 << 28  # int64s; far above any step (a step sends its new tokens and block-table changes only)
 
 
 class Malformed(ValueError):
@@ -29,15 +30,33 @@ class Malformed(ValueError):
 
 @dataclass(eq=False)
 class SentSlice(Request):
-    """A slice as the followers get it: its block table, where its new tokens start, and those tokens."""
+    """A slice as the followers get it. `prompt_ids` holds only the tokens it feeds (num_cached ..
+    num_tokens-1): the ones before are in every rank's pool already. As unpacked, `blocks` holds its block
+    table from entry `table_from` on, what the followers lacked; tables.py joins it to the follower's copy."""
 
+    seq_id: int = 0  # the request's: a follower keeps its copy of the table under it
     decode: bool = False
     samples: bool = False
+    table_from: int = 0  # as sent: entries before it were sent in an earlier step (0: the whole table)
+    last_block: int = -1  # rank 0's last table entry: the follower's joined copy must end with it
+    table: TableTensor | None = None  # the follower's kept int32 copy of `blocks` (tables.py)
 
     @classmethod
     def of(cls, s: Slice) -> "SentSlice":
-        return cls(s.prompt_ids, s.block_size, blocks=s.blocks, num_cached=s.num_cached, decode=s.decode,
-                   samples=s.samples)
+        return cls(s.token_ids(s.num_cached, s.num_tokens), s.block_size, blocks=s.blocks, num_cached=s.num_cached,
+                   seq_id=s.seq_id, decode=s.decode, samples=s.samples, last_block=s.blocks[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_cached + len(self.prompt_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        if start < self.num_cached:
+            raise ValueError(f"tokens from {start}: only {self.num_cached} .. {self.num_tokens - 1} were sent")
+        return self.prompt_ids[start - self.num_cached:end - self.num_cached]
+
+    def block_table_tensor(self, n: int) -> torch.Tensor:
+        return super().block_table_tensor(n) if self.table is None else self.table.first(self.blocks, n)
 
 
 def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,13 +70,15 @@ def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
         fields = [[args[0], args[1]], _text(args[2])]
     elif kind == "capture":  # (sizes, dummy_block)
         fields = [list(args[0]), [args[1]]]
-    elif kind == "run_step":  # (slices, copies): per slice, its numbers, its block table, the tokens it feeds
-        slices, copies = args
+    elif kind == "run_step":  # (slices, copies[, starts]): per slice, its numbers, its table from starts[i] on,
+        slices, copies, *rest = args  # and the tokens it feeds; no start given: every table whole
+        starts = rest[0] if rest else [0] * len(slices)
         fields = [[v for pair in copies for v in pair]]
-        for s in slices:
-            # The tokens before num_cached are in every rank's pool already; only the ones this step feeds travel.
-            fields += [[s.block_size, s.num_cached, int(s.decode), int(s.samples)], list(s.blocks),
-                       list(s.prompt_ids[s.num_cached:])]
+        for s, start in zip(slices, starts, strict=True):
+            # The tokens before num_cached are in every rank's pool already, and the table entries before
+            # `start` in every follower's copy (tables.py): a decode's message does not grow with its history.
+            fields += [[s.seq_id, s.block_size, s.num_cached, int(s.decode), int(s.samples), start, len(s.blocks),
+                        s.blocks[-1]], s.blocks[start:], s.token_ids(s.num_cached, s.num_tokens)]
     else:
         raise ValueError(f"no schema for message kind {kind!r}")
     payload = [v for f in fields for v in (len(f), *f)]
@@ -106,16 +127,19 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
     copies = list(zip(flat[::2], flat[1::2]))
     slices = []
     for numbers, blocks, tokens in zip(fields[1::3], fields[2::3], fields[3::3]):
-        block_size, num_cached, decode, samples = _ints(numbers, 4, "a slice's numbers")
+        seq_id, block_size, num_cached, decode, samples, table_from, table_len, last_block = _ints(
+            numbers, 8, "a slice's numbers")
         if block_size < 1 or decode > 1 or samples > 1 or not tokens:
             raise Malformed(f"run_step: a slice's numbers {numbers} (block size >= 1, flags 0 or 1, tokens >= 1)")
         blocks, tokens = _ints(blocks, None, "a block table"), _ints(tokens, None, "a slice's tokens")
-        if len(blocks) * block_size < num_cached + len(tokens):
-            raise Malformed(f"run_step: {len(blocks)} block(s) of {block_size} hold fewer than "
+        if table_from + len(blocks) != table_len:
+            raise Malformed(f"run_step: a table of {table_len} entries sent from entry {table_from} as {len(blocks)}")
+        if table_len * block_size < num_cached + len(tokens):
+            raise Malformed(f"run_step: {table_len} block(s) of {block_size} hold fewer than "
                             f"{num_cached + len(tokens)} tokens")
-        # Placeholders for the cached tokens (never read: their K/V is in the pool), then the ones fed now.
-        slices.append(SentSlice([0] * num_cached + tokens, block_size, blocks=blocks, num_cached=num_cached,
-                                decode=bool(decode), samples=bool(samples)))
+        slices.append(SentSlice(tokens, block_size, blocks=blocks, num_cached=num_cached, seq_id=seq_id,
+                                decode=bool(decode), samples=bool(samples), table_from=table_from,
+                                last_block=last_block))
     return kind, slices, copies
 
 

@@ -1,7 +1,9 @@
 """One step's metadata for a batch of requests: CSR page tables for the kernel, slots for the writes.
 
 Built once per step on the host from Python ints, turned into tensors in one place, shared by every
-layer. Request b feeds its tokens num_cached .. num_tokens-1; they sit at rows
+layer. The page tables come from each request as a tensor (`Request.block_table_tensor`), so a request
+that keeps its table as a tensor between steps (L4's Sequence) costs a step its new entries, not its
+whole history. Request b feeds its tokens num_cached .. num_tokens-1; they sit at rows
 qo_indptr[b] .. qo_indptr[b+1]-1 of the flat stream, and after the step its KV history is num_tokens
 long, held in pages kv_indices[kv_indptr[b] : kv_indptr[b+1]].
 """
@@ -46,18 +48,20 @@ class BatchMeta:
             if start >= end or len(r.blocks) < n_pages:  # bookkeeping bugs, not bad input
                 raise ValueError(f"request feeds {start}..{end - 1} with {len(r.blocks)} block(s) reserved")
             # Only the pages the history fills: blocks reserved ahead of time are not the kernel's business.
-            pages += r.blocks[:n_pages]
+            pages.append(r.block_table_tensor(n_pages))
             qo.append(qo[-1] + end - start)
             kv.append(kv[-1] + n_pages)
             last.append(end - (n_pages - 1) * block_size)  # 1 .. S, never 0: a full page counts S
             positions += range(start, end)
             slots += r.slots(start, end)
 
-        def host(xs: list[int]) -> torch.Tensor:
+        def pinned(t: torch.Tensor) -> torch.Tensor:
             # int32 on the host: FlashInfer's plan() reads these on the CPU (device tensors would force a
             # sync); pinned on CUDA machines so its copy to the GPU is asynchronous.
-            t = torch.tensor(xs, dtype=torch.int32)
             return t.pin_memory() if device.type == "cuda" else t
+
+        def host(xs: list[int]) -> torch.Tensor:
+            return pinned(torch.tensor(xs, dtype=torch.int32))
 
         def dev(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.int64, device=device)
@@ -66,7 +70,7 @@ class BatchMeta:
             block_size=block_size,
             qo_indptr=host(qo),
             kv_indptr=host(kv),
-            kv_indices=host(pages),
+            kv_indices=pinned(torch.cat(pages)),
             kv_last_page_len=host(last),
             positions=dev(positions),
             slot_mapping=dev(slots),

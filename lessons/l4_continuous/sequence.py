@@ -9,6 +9,7 @@ import torch
 from lessons.l2_token_flat.engine import blocks_for
 from lessons.l2_token_flat.request import Request
 from lessons.l4_continuous.sampling import SamplingParams
+from lessons.l4_continuous.table_tensor import TableTensor
 from shared.generation import StopRule
 
 
@@ -30,6 +31,11 @@ class Sequence(Request):
     admitted_at: int = -1  # step of the latest admission: L5 preempts the most recent one
     finished_at: int = -1
     extra: dict = field(default_factory=dict)  # lesson-specific bookkeeping (L5: host blocks)
+    table: TableTensor = field(default_factory=TableTensor, repr=False)  # the block table as int32, kept
+
+    def block_table_tensor(self, n: int) -> torch.Tensor:
+        # A running request is stepped thousands of times: its table tensor grows by appending, not afresh.
+        return self.table.first(self.blocks, n)
 
     @property
     def max_tokens_fed(self) -> int:

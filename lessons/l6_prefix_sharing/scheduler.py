@@ -29,7 +29,10 @@ class PrefixScheduler(PreemptingScheduler):
         self.cache, self.wait_for_inflight = manager.cache, wait_for_inflight
 
     def keys(self, seq: SharedSequence, upto: int) -> list[int]:
-        return chain_keys(seq.all_tokens(), seq.extra.setdefault("keys", []), self.block_size, upto, self.cache.hash_fn)
+        keys = seq.extra.setdefault("keys", [])
+        if upto <= len(keys):  # computed already: no copy of the tokens (a decode asks every block_size steps)
+            return keys
+        return chain_keys(seq.token_ids(0, upto * self.block_size), keys, self.block_size, upto, self.cache.hash_fn)
 
     def match(self, seq: SharedSequence) -> list[int]:
         """The longest chain of cached blocks that is a prefix of the request's tokens. At most
@@ -115,10 +118,10 @@ class PrefixScheduler(PreemptingScheduler):
             full, done = seq.num_cached // self.block_size, seq.extra.get("registered", 0)
             if full <= done:
                 continue
-            tokens = seq.all_tokens()
             keys = self.keys(seq, full)
             for i in range(done, full):
-                self.cache.register(seq.blocks[i], keys[i], tuple(tokens[:(i + 1) * self.block_size]))
+                # The entry keeps its whole prefix (the collision check): the one cost here that grows with history.
+                self.cache.register(seq.blocks[i], keys[i], tuple(seq.token_ids(0, (i + 1) * self.block_size)))
             seq.extra["registered"] = full
 
     def fork(self, parent: SharedSequence) -> list[SharedSequence]:

@@ -21,8 +21,8 @@ class SharedSequence(Sequence):
         grow = max(0, blocks_for(num_tokens, self.block_size) - len(self.blocks))
         if grow + cow > allocator.num_free:
             raise PoolExhausted(needed=grow + cow, free=allocator.num_free, total=allocator.num_blocks)
-        if cow:
-            self.blocks[i] = allocator.copy_on_write(self.blocks[i])
+        if cow:  # a new list, not an edit in place: a table list is only ever appended to (L4's TableTensor)
+            self.blocks = self.blocks[:i] + [allocator.copy_on_write(self.blocks[i])] + self.blocks[i + 1:]
         if grow:
             self.blocks += allocator.alloc(grow)
 

@@ -38,16 +38,16 @@ class StaticDecodeBuffers:
         so no row keeps what a bigger earlier step left there (it would write into that request's block)."""
         if not (len(requests) <= size and 1 <= size <= self.max_size):
             raise ValueError(f"{len(requests)} request(s) padded to {size} (buffers hold {self.max_size})")
-        ids, positions, slots, indptr, pages, last = [], [], [], [0], [], []
+        ids, positions, slots, indptr, tables, last = [], [], [], [0], [], []
         for r in requests:
             pos = r.num_cached  # a decode row feeds exactly the token at num_cached == num_tokens - 1
             if pos != r.num_tokens - 1:
                 raise ValueError(f"not a decode row: feeds {r.num_tokens - pos} tokens")  # a caller bug
             n_pages = blocks_for(pos + 1, block_size)
-            ids.append((r.prompt_ids + r.output_ids)[pos])
+            ids += r.token_ids(pos, pos + 1)  # that one token, not a copy of the history
             positions.append(pos)
             slots.append(r.slot(pos))
-            pages += r.blocks[:n_pages]
+            tables.append(r.block_table_tensor(n_pages))  # int32, kept by the request (not its list converted)
             indptr.append(indptr[-1] + n_pages)
             last.append(pos + 1 - (n_pages - 1) * block_size)
         for _ in range(size - len(requests)):
@@ -56,9 +56,10 @@ class StaticDecodeBuffers:
             ids.append(0)
             positions.append(0)
             slots.append(dummy_block * block_size)
-            pages.append(dummy_block)
+            tables.append(torch.tensor([dummy_block], dtype=torch.int32))
             indptr.append(indptr[-1] + 1)
             last.append(1)
+        pages = torch.cat(tables)
         if len(pages) > self.max_pages:
             raise ValueError(f"a step naming {len(pages)} pages; the buffer holds {self.max_pages}")
         # copy_ into the same storage: the addresses a graph captured stay valid.
@@ -66,5 +67,5 @@ class StaticDecodeBuffers:
         self.positions[:size].copy_(torch.tensor(positions), non_blocking=True)
         self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)
         self.kv_indptr[: size + 1].copy_(torch.tensor(indptr, dtype=torch.int32))
-        self.kv_indices[: len(pages)].copy_(torch.tensor(pages, dtype=torch.int32))
+        self.kv_indices[: len(pages)].copy_(pages)
         self.kv_last_page_len[:size].copy_(torch.tensor(last, dtype=torch.int32))

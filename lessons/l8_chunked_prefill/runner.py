@@ -27,7 +27,7 @@ class ChunkedRunner(GraphRunner):
             return super().forward(slices)  # decodes only: every row samples
         self.eager_steps += 1
         meta = BatchMeta.build(slices, self.block_size, self.device)
-        ids = [t for s in slices for t in s.prompt_ids[s.num_cached:]]
+        ids = [t for s in slices for t in s.token_ids(s.num_cached, s.num_tokens)]
         self.backend.plan(meta)
         hidden = self.model(torch.tensor(ids, device=self.device), meta.positions, self, meta)
         for s in slices:

@@ -5,10 +5,16 @@ positions. A slice is a request cut short: the first `end` tokens of the real on
 already in the pool, the same block table. So the runner, BatchMeta and every attention backend run a
 slice without knowing chunking exists: its queries are the last (end - num_cached) tokens of a history
 `end` long, which is the bottom-right causal alignment every backend already uses for a prompt.
+
+A slice holds the request's own token lists and block table, never copies: it is built every step for
+every running request, and a copy would cost each decode its whole history (32k ids at 32k tokens).
+Only `num_tokens` is cut short, to `end`; whoever reads the tokens asks for num_cached .. end-1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from lessons.l2_token_flat.request import Request
 from lessons.l4_continuous.sequence import Sequence
@@ -17,6 +23,7 @@ from lessons.l4_continuous.sequence import Sequence
 @dataclass(eq=False)
 class Slice(Request):
     seq: Sequence | None = None  # the request this slice belongs to (its num_cached is copied back after the step)
+    end: int = 0  # the slice's history is the request's tokens 0 .. end-1; it feeds num_cached .. end-1
     decode: bool = False  # a running request's one next token, scheduled before any prompt slice
 
     @classmethod
@@ -25,9 +32,16 @@ class Slice(Request):
         if not 1 <= num_new <= seq.num_tokens - seq.num_cached:  # a scheduler bug, not bad input
             raise ValueError(f"request {seq.seq_id}: a slice of {num_new} token(s) from {seq.num_cached} "
                              f"of {seq.num_tokens}")
-        tokens = (seq.prompt_ids + seq.output_ids)[:end]
-        # blocks is the request's own list (not a copy): the slice reads the table the scheduler reserved.
-        return cls(tokens, seq.block_size, blocks=seq.blocks, num_cached=seq.num_cached, seq=seq, decode=decode)
+        # The request's own lists (not copies): the slice reads the tokens and the table the scheduler reserved.
+        return cls(seq.prompt_ids, seq.block_size, output_ids=seq.output_ids, blocks=seq.blocks,
+                   num_cached=seq.num_cached, seq=seq, end=end, decode=decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end
+
+    def block_table_tensor(self, n: int) -> torch.Tensor:
+        return self.seq.block_table_tensor(n)  # the request's kept tensor: the slice lives one step
 
     @property
     def seq_id(self) -> int:
