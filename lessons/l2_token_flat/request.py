@@ -20,18 +20,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids start .. end-1 of prompt + output. Only those are copied: a decode feeds one token of a
-        history that may be 32k long, and joining the two lists first would copy all of it every step."""
-        n = len(self.prompt_ids)
-        return self.prompt_ids[start:end] + self.output_ids[max(start - n, 0):max(end - n, 0)]
-
-    def block_table_tensor(self, n: int) -> torch.Tensor:
-        """The first n entries of the block table, int32: this request's part of BatchMeta's kv_indices.
-        Converted afresh each call, which costs the whole table every step; L4's Sequence keeps the tensor
-        between steps and only appends to it."""
-        return torch.tensor(self.blocks[:n], dtype=torch.int32)
-
     def slot(self, pos: int) -> int:
         return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
@@ -44,3 +32,15 @@ class Request:
         needed = -(-num_tokens // self.block_size) - len(self.blocks)
         if needed > 0:
             self.blocks += allocator.alloc(needed)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids start .. end-1 of prompt + output. Only those are copied: a decode feeds one token of a
+        history that may be 32k long, and joining the two lists first would copy all of it every step."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(start - n, 0):max(end - n, 0)]
+
+    def block_table_tensor(self, n: int) -> torch.Tensor:
+        """The first n entries of the block table, int32: this request's part of BatchMeta's kv_indices.
+        Converted afresh each call, which costs the whole table every step; L4's Sequence keeps the tensor
+        between steps and only appends to it."""
+        return torch.tensor(self.blocks[:n], dtype=torch.int32)
