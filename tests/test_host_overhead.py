@@ -7,7 +7,11 @@ sends each step only the block-table entries a follower's copy lacks.
 """
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +213,34 @@ def test_l10_a_follower_copy_that_drifted_is_caught():
     sent.starts([])
     header, payload = step_message(sent, seqs)
     assert unpack(header, payload)[1][0].table_from == 0
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark" / "host_overhead.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_benchmark_runs_small_and_says_what_it_measured():
+    """The benchmark's own path at toy sizes: it defines host time, prints its conditions and one row per point.
+    (Its figures are read by a person; no test looks at them.)"""
+    out = run_script("--lessons", "l4,l8", "--histories", "40,80", "--share-histories", "", "--steps", "2",
+                     "--warmup", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = " ".join(out.stdout.split())
+    assert "host time = wall time of engine.step() minus the time inside model.forward" in text
+    assert "torch threads 1" in text and "load average" in text
+    for lesson in ("l4", "l8"):
+        for history in (40, 80):
+            assert f"{lesson} history {history}: host" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lessons", "l9"], "--lessons: unknown lesson 'l9'"),
+    (["--histories", "1k"], "--histories must be comma-separated integers, got '1k'"),
+    (["--steps", "0"], "--steps, --threads and --tp must be at least 1"),
+])
+def test_the_benchmark_refuses_bad_options_in_one_line(args, message):
+    out = run_script(*args)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert message in out.stderr
