@@ -21,8 +21,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmark"))
-from roofline import (Rates, WorkLog, bucket, causal_pairs, flops, linear_params, roofline_by_op,  # noqa: E402
-                      roofline_seconds)
+from roofline import (Rates, WorkLog, bucket, causal_pairs, flops, linear_params, matmul_weights,  # noqa: E402
+                      roofline_by_op, roofline_seconds)
 from work_log import hf_forward, ours_forward  # noqa: E402
 
 from shared.config import Qwen3Config  # noqa: E402
@@ -84,7 +84,22 @@ def test_roofline_seconds_sums_every_op():
 def test_measured_rates_are_positive_in_the_runs_dtype():
     rates = Rates(CFG, torch.bfloat16, torch.device("cpu"))
     assert rates.linear(4, 4, 6) > 0 and rates.attention(1, 4) > 0
-    assert all(w.dtype == torch.bfloat16 for w in rates.weights.values())
+    assert rates.pool.dtype == torch.bfloat16
+
+
+def test_each_timed_matmul_reads_the_next_weight_of_a_model_sized_pool():
+    """A step reads each weight once, the rest of the model passing through the cache in between; one weight
+    timed again and again would come from the cache. So the timed weights walk a pool of the model's matmul
+    weights: 2 layers x 120 + the vocab's 4 x 10 = 280 here, so 280 // 24 = 11 distinct gate-shaped [6, 4]
+    weights, in order, then round again; the next shape starts where the last timing stopped."""
+    rates = Rates(CFG, torch.float32, torch.device("cpu"))
+    assert matmul_weights(CFG) == rates.pool.numel() == 280
+    gates = rates._weights(4, 6)
+    starts = [next(gates).data_ptr() for _ in range(12)]
+    assert len(set(starts[:11])) == 11 and starts[11] == starts[0] == rates.pool.data_ptr()
+    assert [(b - a) // 4 for a, b in zip(starts, starts[1:11])] == [24] * 10  # fp32: 4 bytes
+    # The 12th stopped 24 in; a [4, 4] weight's slices start every 16, so the next one starts at 32.
+    assert next(rates._weights(4, 4)).data_ptr() == rates.pool.data_ptr() + 32 * 4
 
 
 def test_bucket_is_the_nearest_power_of_4():

@@ -5,6 +5,11 @@
 Each row is the cumulative time inside one function (all its calls), as a share of the whole run; rows
 nest (the model's forward contains the layer matmuls and the attention), so only siblings add up.
 cProfile adds its own cost to every Python call, so Python-heavy rows read a little high. Not a test.
+
+`--matmul-floor` then times the model's own layer matmuls, all of them in the order a step runs them, with its
+real weights, at the roofline's token buckets (1, 4, ... 1,024 rows), beside what scripts/benchmark/roofline.py
+charges for the same matmuls: it times each shape with one weight called again and again, which then comes
+from the cache, while a step reads each weight once, the whole model passing through the cache in between.
 """
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_systems as bs  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402
+from roofline import Rates, best_seconds, linear_shapes  # noqa: E402
 from lessons.l4_continuous import L4Engine  # noqa: E402
 from shared.cli import OneLineParser, resolve_dtype  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
@@ -73,6 +80,27 @@ def cumulative(stats: pstats.Stats, file_end: str, name: str) -> float:
     return sum(found) if file_end == "~" else max(found, default=0.0)
 
 
+def matmul_floor(model: Qwen3ForCausalLM, rows: list[int]) -> Table:
+    """Per row count: the roofline's seconds for one step's layer matmuls against the model's own, timed in order."""
+    cfg, weight = model.config, model.lm_head.weight
+    rates = Rates(cfg, weight.dtype, weight.device)
+    weights = [proj.weight for layer in model.model.layers for proj in (
+        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
+    table = Table(title=f"layer matmuls of one forward ({len(weights)} weights, {mib:.0f} MiB): the roofline's "
+                  "rate against the model's own weights in order")
+    for column in ("rows", "roofline ms", "model's own ms", "own / roofline"):
+        table.add_column(column, justify="right")
+    for m in rows:
+        x = {k: torch.randn(m, k, dtype=weight.dtype) for k in {w.shape[1] for w in weights}}  # by in-features
+        shapes = linear_shapes(cfg).values()
+        roof = cfg.num_hidden_layers * sum(2 * m * k * n / rates.linear(m, k, n) for k, n in shapes)
+        own = best_seconds(lambda: [F.linear(x[w.shape[1]], w) for w in weights], budget_s=0.2)
+        table.add_row(str(m), f"{roof * 1e3:.2f}", f"{own * 1e3:.2f}", f"{own / roof:.2f}x")
+    return table
+
+
 def main() -> None:
     p = OneLineParser(prog="profile_l4.py", description=__doc__)
     p.add_argument("--model", default="bench", choices=("tiny", "bench"))
@@ -81,6 +109,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--matmul-floor", action="store_true",
+                   help="also time the model's own layer matmuls against the roofline's rate (see above)")
     args = p.parse_args()
     try:
         if args.requests < 1 or args.threads < 1:
@@ -116,6 +146,8 @@ def main() -> None:
     for label, s in rows(seconds):
         table.add_row(label, f"{s:.2f}", f"{100 * s / wall:.0f}%")
     console.print(table)
+    if args.matmul_floor:
+        console.print(matmul_floor(model, [1, 4, 16, 64, 256, 1024]))
 
 
 if __name__ == "__main__":

@@ -10,18 +10,27 @@ each sequence's attention covered, and how many rows each vocabulary projection 
 
 roofline seconds = sum over op shapes of FLOPs / the rate measured at that shape. Each op's token count is
 rounded to the nearest power of 4 (in log scale) and timed once there, so a run times a handful of shapes.
+
+A matmul's weight is read from memory, not from a cache, as in a model's step: a step reads each weight once,
+and the rest of the model passes through the cache before the next step reads it again. So each timed call
+takes its weight from the next slice of a buffer as large as the model's weights (at most WEIGHT_POOL_CAP);
+one weight timed again and again would sit in the cache, and at decode's few rows, where a matmul's time is
+reading its weight, run up to several times faster than any step can (`profile_l4.py --matmul-floor`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from shared.config import Qwen3Config
+
+WEIGHT_POOL_CAP = 512 * 2**20  # bytes: well past a CPU's last-level cache or a GPU's L2, whatever the model
 
 
 @dataclass
@@ -54,6 +63,11 @@ def linear_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, int]]:
 def linear_params(cfg: Qwen3Config) -> int:
     """Weights one token meets in one layer's matmuls (norms and RoPE are not matmuls, so not here)."""
     return sum(k * n for k, n in linear_shapes(cfg).values())
+
+
+def matmul_weights(cfg: Qwen3Config) -> int:
+    """Weights a step's matmuls read: every layer's and the vocabulary projection's."""
+    return cfg.num_hidden_layers * linear_params(cfg) + cfg.hidden_size * cfg.vocab_size
 
 
 def causal_pairs(queries: int, keys: int) -> int:
@@ -96,21 +110,38 @@ class Rates:
     def __init__(self, cfg: Qwen3Config, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.cache: dict[tuple, float] = {}
-        self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (in, out) -> [out, in]; values do not matter
+        # Weights are cut from this buffer in turn, so each timed call reads its weight from memory (see the top).
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.pool = torch.randn(min(matmul_weights(cfg), WEIGHT_POOL_CAP // itemsize), dtype=dtype, device=device)
+        self.cursor = 0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def _weights(self, k: int, n: int) -> Iterator[torch.Tensor]:
+        """[n, k] slices of the pool, in order from where the last timing stopped, round and round. Cut ahead
+        of the timing, so a timed call pays for no slicing."""
+        size = n * k
+        if size > self.pool.numel():  # larger than the pool, so than any cache: one weight, read cold each time
+            return itertools.repeat(torch.randn(n, k, dtype=self.dtype, device=self.device))
+        count = self.pool.numel() // size
+        first = -(-self.cursor // size) % count  # the first slice at or past where the last timing stopped
+        views = [self.pool[i * size:(i + 1) * size].view(n, k) for i in range(count)]
+
+        def each() -> Iterator[torch.Tensor]:
+            for i in itertools.count(first):
+                self.cursor = (i + 1) % count * size
+                yield views[i % count]
+        return each()
+
     def linear(self, m: int, k: int, n: int) -> float:
         """F.linear(x [m, k], w [n, k]), the call the model makes."""
         key = ("linear", m, k, n)
         if key not in self.cache:
-            if (k, n) not in self.weights:  # the vocab weight is tens of MB: one per shape, shared by every m
-                self.weights[k, n] = torch.randn(n, k, dtype=self.dtype, device=self.device)
-            w = self.weights[k, n]
             x = torch.randn(m, k, dtype=self.dtype, device=self.device)
-            run = lambda: (torch.nn.functional.linear(x, w), self._sync())  # noqa: E731
+            weights = self._weights(k, n)
+            run = lambda: (torch.nn.functional.linear(x, next(weights)), self._sync())  # noqa: E731
             self.cache[key] = 2 * m * k * n / best_seconds(run)
         return self.cache[key]
 
