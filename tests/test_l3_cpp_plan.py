@@ -48,11 +48,14 @@ def test_one_plan_serves_every_layer_of_the_step():
 
 
 @needs_kernel
-def test_the_plan_cuts_tiles_of_eight_rows_longest_first():
+def test_the_plan_cuts_row_tiles_longest_first():
     # (history, new rows): a decode, a 20-row prompt (tiles of 8, 8, 4) and a 3-row slice of a longer history.
     meta, *_ = batch(seed=1, s=4, hq=4, hkv=2, d=64, rows=[(10, 1), (20, 20), (30, 3)])
-    items = cpp_backend.load_kernel().plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                                           4, 1)
+    kernel = cpp_backend.load_kernel()
+    tables = (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 4, 1)
+    # By default a tile holds up to 32 rows: the whole prompt is one item, and the costliest.
+    assert kernel.plan(*tables).tolist() == [[1, 1, 21, 0, 1, 0, 1], [2, 21, 24, 27, 21, 0, 1], [0, 0, 1, 9, 0, 0, 1]]
+    items = kernel.plan(*tables, tile_rows=8)
     assert items.dtype == torch.int64
     # Rows 0 | 1..20 | 21..23. Cost = rows x the keys the tile's last row sees: rows 9..16 8 x 16 = 128, the
     # slice 3 x 30 = 90, rows 17..20 4 x 20 = 80, rows 1..8 8 x 8 = 64, the decode 1 x 10 = 10.
