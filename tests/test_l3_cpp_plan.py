@@ -74,11 +74,16 @@ def test_fewer_tiles_than_threads_split_the_kv_heads():
     kernel = cpp_backend.load_kernel()
     tables = (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 16)
     assert kernel.plan(*tables, 1)[:, [CHUNK, CHUNKS]].tolist() == [[0, 1]]
-    assert kernel.plan(*tables, 2)[:, [CHUNK, CHUNKS]].tolist() == [[0, 2], [1, 2]]
-    six = kernel.plan(*tables, 6)  # more chunks than KV heads: two of six have no head, and do nothing
-    assert six[:, [CHUNK, CHUNKS]].tolist() == [[c, 6] for c in range(6)]
+    # One tile, two threads: chunks for up to 8 items a thread, at most 8; past the 4 KV heads half have no
+    # head, and do nothing.
+    split = kernel.plan(*tables, 2)
+    assert split[:, [CHUNK, CHUNKS]].tolist() == [[c, 8] for c in range(8)]
     want = kernel.run_planned(q, k, v, meta.kv_indptr, meta.kv_indices, kernel.plan(*tables, 1))
-    assert torch.equal(kernel.run_planned(q, k, v, meta.kv_indptr, meta.kv_indices, six), want)
+    assert torch.equal(kernel.run_planned(q, k, v, meta.kv_indptr, meta.kv_indices, split), want)
+    # Enough tiles (24 decodes, 2 threads: 12 items each): every item keeps all heads, each page read once.
+    many, *_ = batch(seed=2, s=16, hq=8, hkv=4, d=64, rows=[(100 + i, 1) for i in range(24)])
+    tables = (many.qo_indptr, many.kv_indptr, many.kv_indices, many.kv_last_page_len, 16)
+    assert kernel.plan(*tables, 2)[:, CHUNKS].tolist() == [1] * 24
 
 
 @needs_kernel

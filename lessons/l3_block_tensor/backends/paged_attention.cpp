@@ -393,9 +393,14 @@ at::Tensor plan(const at::Tensor& qo_indptr_in, const at::Tensor& kv_indptr_in, 
       cost.push_back((end - r) * (kv_len - (qo[b + 1] - end)));  // rows x the keys its last row sees
     }
   }
-  // Fewer tiles than threads (one long decode, say): split each tile's KV heads into chunks, so every thread
-  // gets work. With enough tiles, or one thread, an item keeps all heads and reads each page once.
-  const int64_t chunks = std::max<int64_t>(threads / std::max<int64_t>(tiles.size(), 1), 1);
+  // Few tiles for the threads (one long decode; a prompt of a few tiles): split each tile's KV heads into
+  // chunks, up to kItemsPerThread items a thread, so every thread gets work and none is left finishing a long
+  // item alone. A chunk reads only its heads' K/V rows, so splitting adds no reads, only per-item work. The
+  // plan does not know Hkv: past it (at most kMaxChunks) some chunks have no head, and return at once.
+  constexpr int64_t kItemsPerThread = 8, kMaxChunks = 8;
+  const int64_t n_tiles = std::max<int64_t>(tiles.size(), 1);
+  const int64_t chunks = threads <= 1 ? 1 : std::clamp<int64_t>((kItemsPerThread * threads + n_tiles - 1) / n_tiles,
+                                                                1, kMaxChunks);
   std::vector<int64_t> order(tiles.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
