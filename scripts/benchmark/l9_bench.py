@@ -601,8 +601,11 @@ def plot_curve(curve: dict, labels: list[str], path: Path, conditions: dict) -> 
         right.plot(xs, [p["ttft_p99_ms"] for p in points], "-o", color=color, label=names[label])
         if curve[label]["saturates_at"] is not None:
             left.axvline(curve[label]["saturates_at"], color=color, ls=":", lw=1)
+    levels = [p["concurrency"] for p in curve[labels[0]]["points"]]
     for ax, what in ((left, "output tokens/s"), (right, "TTFT p99 (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
