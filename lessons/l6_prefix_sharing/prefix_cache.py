@@ -18,12 +18,15 @@ def default_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(repr((parent, tokens)).encode(), digest_size=8).digest(), "little")
 
 
-def chain_keys(tokens: list[int], keys: list[int], block_size: int, upto: int, hash_fn: HashFn) -> list[int]:
+def chain_keys(tokens: list[int], keys: list[int], block_size: int, upto: int, hash_fn: HashFn,
+               first: int = 0) -> list[int]:
     """Extend `keys` (the keys of the first len(keys) full blocks of `tokens`) to `upto` blocks; return it.
-    Tokens only ever grow, so a request computes each of its keys once."""
+    Tokens only ever grow, so a request computes each of its keys once. `tokens` may start at position
+    `first` (at most len(keys) blocks in): a decode then passes only the block it just filled."""
     for i in range(len(keys), upto):
         parent = keys[i - 1] if i else None
-        keys.append(hash_fn(parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        at = i * block_size - first
+        keys.append(hash_fn(parent, tuple(tokens[at:at + block_size])))
     return keys
 
 

@@ -30,9 +30,9 @@ class PrefixScheduler(PreemptingScheduler):
 
     def keys(self, seq: SharedSequence, upto: int) -> list[int]:
         keys = seq.extra.setdefault("keys", [])
-        if upto <= len(keys):  # computed already: no copy of the tokens (a decode asks every block_size steps)
-            return keys
-        return chain_keys(seq.token_ids(0, upto * self.block_size), keys, self.block_size, upto, self.cache.hash_fn)
+        first = len(keys) * self.block_size  # only the blocks not keyed yet are read: one, for a decode
+        tokens = seq.token_ids(first, upto * self.block_size)
+        return chain_keys(tokens, keys, self.block_size, upto, self.cache.hash_fn, first)
 
     def match(self, seq: SharedSequence) -> list[int]:
         """The longest chain of cached blocks that is a prefix of the request's tokens. At most
@@ -120,8 +120,9 @@ class PrefixScheduler(PreemptingScheduler):
                 continue
             keys = self.keys(seq, full)
             for i in range(done, full):
-                # The entry keeps its whole prefix (the collision check): the one cost here that grows with history.
-                self.cache.register(seq.blocks[i], keys[i], tuple(seq.token_ids(0, (i + 1) * self.block_size)))
+                # The entry keeps its whole prefix (the collision check): the one cost that grows with the
+                # history, paid once per block, in one pass over the tokens.
+                self.cache.register(seq.blocks[i], keys[i], seq.prefix((i + 1) * self.block_size))
             seq.extra["registered"] = full
 
     def fork(self, parent: SharedSequence) -> list[SharedSequence]:
