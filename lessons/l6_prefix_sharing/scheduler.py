@@ -120,8 +120,6 @@ class PrefixScheduler(PreemptingScheduler):
                 continue
             keys = self.keys(seq, full)
             for i in range(done, full):
-                # The entry keeps its whole prefix (the collision check): the one cost that grows with the
-                # history, paid once per block, in one pass over the tokens.
                 self.cache.register(seq.blocks[i], keys[i], seq.prefix((i + 1) * self.block_size))
             seq.extra["registered"] = full
 

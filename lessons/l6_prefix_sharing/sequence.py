@@ -16,14 +16,17 @@ class SharedSequence(Sequence):
 
         Only a fork leaves a shared block with room in it (its children share the prompt's partly filled
         last block); a cache hit shares full blocks only. All or nothing: PoolExhausted changes nothing.
+        Copy-on-write gives the table a new list: a table list only ever grows in place (L4's TableTensor
+        and L10's follower copies rely on it).
         """
         i = self.num_cached // self.block_size  # the block position num_cached is written into
         cow = i < len(self.blocks) and allocator.is_shared(self.blocks[i])
         grow = max(0, blocks_for(num_tokens, self.block_size) - len(self.blocks))
         if grow + cow > allocator.num_free:
             raise PoolExhausted(needed=grow + cow, free=allocator.num_free, total=allocator.num_blocks)
-        if cow:  # a new list, not an edit in place: a table list is only ever appended to (L4's TableTensor)
-            self.blocks = self.blocks[:i] + [allocator.copy_on_write(self.blocks[i])] + self.blocks[i + 1:]
+        if cow:
+            self.blocks = self.blocks.copy()
+            self.blocks[i] = allocator.copy_on_write(self.blocks[i])
         if grow:
             self.blocks += allocator.alloc(grow)
 
@@ -31,5 +34,6 @@ class SharedSequence(Sequence):
         return self.prompt_ids + self.output_ids
 
     def prefix(self, n: int) -> tuple[int, ...]:
-        """The first n tokens, read once (no list in between: at 32k tokens each copy costs a cache miss per id)."""
+        """The first n tokens, for a cache entry: the one cost of a decode step that grows with its history
+        (once per block), so read once, with no list in between (each copy costs a cache miss per id)."""
         return tuple(islice(chain(self.prompt_ids, self.output_ids), n))
