@@ -61,8 +61,8 @@ enum ItemField : int64_t {
 // Its meaning is eight floats whatever the register width, so the results do not depend on the machine.
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 constexpr int64_t kVec = 8;  // floats in one f32x8
 
 // Eight values from memory, widened to fp32 in registers: the kernel never copies a page to convert it.
@@ -72,11 +72,14 @@ inline f32x8 load8(const float* p) {
   return v;
 }
 
-// bf16 is the top half of an fp32: widening is a shift of the 16 bits into place.
+// bf16 is the top half of an fp32: widening puts each value's 16 bits above 16 zero bits. Written as one
+// interleave with zeros (little-endian: the high half is the second), which AVX2 does in two instructions;
+// the same as a zero-extend and a shift, which GCC 12 compiled into five (bf16 decode: 0.75x the time).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "load8(bf16) puts the high half second");
 inline f32x8 load8(const c10::BFloat16* p) {
   u16x8 h;
   std::memcpy(&h, p, sizeof h);
-  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+  const u16x16 bits = __builtin_shufflevector(u16x8{}, h, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15);
   f32x8 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
