@@ -91,10 +91,10 @@ def parser() -> OneLineParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds open requests get to finish after SIGTERM, then a 503 (default: 10)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
-    p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
-                   help="event loop (default: auto, uvloop when installed: uvicorn's standard extra)")
-    p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
-                   help="HTTP parser (default: auto, httptools when installed: uvicorn's standard extra)")
+    p.add_argument("--loop", default="asyncio", choices=("asyncio", "uvloop", "auto"),
+                   help="event loop (default: asyncio; uvloop needs uvicorn's standard extra)")
+    p.add_argument("--http", default="h11", choices=("h11", "httptools", "auto"),
+                   help="HTTP parser (default: h11; httptools needs uvicorn's standard extra)")
     return p
 
 
@@ -176,7 +176,7 @@ def build(args) -> tuple[Server, socket.socket]:
         torch.set_num_threads(args.threads)
     for module in {args.loop, args.http} & {"uvloop", "httptools"}:  # asked for by name: say so if missing
         if importlib.util.find_spec(module) is None:
-            raise CourseError(f"{module} is not installed: pip install 'uvicorn[standard]', or pass auto")
+            raise CourseError(f"{module} is not installed: pip install 'uvicorn[standard]', or keep the default")
     if not 0 <= args.port < 65536:
         raise CourseError(f"--port must be in [0, 65535], got {args.port}")
     device = resolve_device(args.device)
@@ -205,8 +205,9 @@ def build(args) -> tuple[Server, socket.socket]:
     app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    # uvloop and httptools (pyproject's uvicorn[standard]) are C: less of the event loop's time per request
-    # and per SSE write, so more of the CPU is left to the engine thread. "auto" falls back to asyncio and h11.
+    # asyncio and h11, not uvloop and httptools (uvicorn[standard]): measured on the course's 2-core box, the
+    # engine thread got more done beside asyncio's loop (docs/l9_server_appendix.md): the event loop is a few
+    # percent of a core here, and what decides throughput is the engine thread's share of the GIL and the CPU.
     config = uvicorn.Config(app, log_level=args.log_level, loop=args.loop, http=args.http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_S)
     return Server(config, loop, f"serving {name} at http://{url_host}:{port}/v1", args.shutdown_timeout), sock
