@@ -263,7 +263,7 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console(width=150)  # the table's ten columns, unwrapped
     conditions = bench_conditions.start()
     console.print(f"[bold]{DEFINITION}[/]")
     tiny = default_model_dir()
