@@ -253,7 +253,8 @@ def main() -> None:
         lessons = [x.strip() for x in args.lessons.split(",") if x.strip()]
         bad = [x for x in lessons if x not in LESSONS]
         if bad or not lessons:
-            raise CourseError(f"--lessons: unknown lesson {bad[0] if bad else args.lessons!r}; use {', '.join(LESSONS)}")
+            named = bad[0] if bad else args.lessons
+            raise CourseError(f"--lessons: unknown lesson {named!r}; use {', '.join(LESSONS)}")
         histories = parse_ints(args.histories, "--histories")
         shares = parse_ints(args.share_histories, "--share-histories") if args.share_histories else []
         if args.steps < 1 or args.warmup < 0 or args.threads < 1 or args.tp < 1:
