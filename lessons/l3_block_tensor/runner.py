@@ -26,7 +26,7 @@ class PagedRunner:
     def forward(self, requests: list[Request]) -> torch.Tensor:
         """Feed every request's uncached tokens in one flat stream -> fp32 logits [B, vocab] of each one's last."""
         meta = BatchMeta.build(requests, self.block_size, self.device)
-        ids = [t for r in requests for t in (r.prompt_ids + r.output_ids)[r.num_cached:]]
+        ids = [t for r in requests for t in r.token_ids(r.num_cached, r.num_tokens)]  # the fed tokens only
         tokens = torch.tensor(ids, device=self.device)  # [T]: requests concatenated, no padding
         self.backend.plan(meta)  # once per step, before the first layer
         hidden = self.model(tokens, meta.positions, self, meta)
