@@ -123,6 +123,8 @@ def test_table_tensor_grows_by_appending_and_starts_over_for_a_new_list():
     assert table.ids.data_ptr() == storage and table.filled == 43, "appended in place"
     other = [1, 2, 3]  # a new list (a re-admission, a fork): copied whole, whatever the old one held
     assert table.first(other, 3).tolist() == [1, 2, 3]
+    other[2] = 30  # the rule broken (an entry replaced in place): the last entry mirrored is checked each call
+    assert table.first(other, 3).tolist() == [1, 2, 30]
 
 
 def test_copy_on_write_gives_the_table_a_new_list_so_its_tensor_cannot_go_stale():

@@ -24,6 +24,8 @@ class TableTensor:
         """blocks[:n] as int32 [n]: a view, valid until the next call (BatchMeta concatenates it at once)."""
         if blocks is not self.of:
             self.of, self.filled = blocks, 0
+        elif self.filled and blocks[self.filled - 1] != int(self.ids[self.filled - 1]):
+            self.filled = 0  # the rule broken (an entry replaced in place): copy whole rather than read stale pages
         if n > self.filled:
             if n > self.ids.numel():  # doubling: a table of n entries is copied O(log n) times in its life
                 grown = torch.empty(max(n, 2 * self.ids.numel(), 16), dtype=torch.int32)
