@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+import bench_conditions  # scripts/benchmark/, this script's folder
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend
-from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable, cpu_features
+from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 
 DRAM_BYTES = 1024**3  # a read this large comes from DRAM on any machine the course runs on (largest L3 seen: 480 MiB)
@@ -62,15 +63,10 @@ def conditions(dtype: str) -> str:
             return ""
     dirty = git("status", "--porcelain", "--", "lessons/l3_block_tensor/backends",
                 "scripts/benchmark/attention_bench.py")
-    cpu, flags = "unknown CPU", set(cpu_features().split())
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    vectors = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{'+dirty' if dirty else ''}; {cpu} ({vectors}, "
-            f"{os.cpu_count()} cores); {torch.get_num_threads()} torch thread(s); {dtype}; load average {load}")
+    return (f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{'+dirty' if dirty else ''}; "
+            f"{bench_conditions.cpu_name()} ({os.cpu_count()} cores); {torch.get_num_threads()} torch thread(s); "
+            f"{dtype}; load average {load}")
 
 
 def make_batch(rows: list[tuple[int, int]], args: argparse.Namespace, seed: int = 0

@@ -7,9 +7,25 @@ otherwise idle machine gives the most repeatable numbers; the warning says when 
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import torch
 from rich.console import Console
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's "Model name") and its widest x86 vector extension, from /proc/cpuinfo on
+    Linux; elsewhere what `platform` knows."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in info.splitlines()
+                                                            if ":" in line)}
+    flags = fields.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return " ".join(x for x in (fields.get("model name", platform.machine()), vector) if x)
 
 
 def snapshot() -> dict:

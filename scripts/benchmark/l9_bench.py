@@ -48,7 +48,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
@@ -518,7 +517,7 @@ def main() -> None:
         verdict = "[green]met[/]" if goal["met"] else "[red]not met[/]"
         console.print(f"target {verdict} (≥ {THROUGHPUT_TARGET:g}x HF's output-token throughput with a lower p99 TTFT "
                       f"at every concurrency): {per}")
-    report = {"command": " ".join(sys.argv), "machine": f"{cpu_name()}, "
+    report = {"command": " ".join(sys.argv), "machine": f"{bench_conditions.cpu_name()}, "
               f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "model": str(model_dir),
               "conditions": conditions, "threads": args.threads, "wall_seconds": wall, "our_num_blocks": args.num_blocks,
               "hf_args": args.hf_args, "ours_args": args.ours_args,
@@ -535,17 +534,6 @@ def main() -> None:
 
 
 # ----- the curve -----
-
-def cpu_name() -> str:
-    """The CPU's model name (lscpu's "Model name"), for the conditions a figure was measured under."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def curve_summary(rows: list[dict], labels: list[str]) -> dict:
     """Per server: output tok/s and p99 TTFT at each concurrency, its best throughput, and where it saturates
@@ -613,7 +601,7 @@ def plot_curve(curve: dict, labels: list[str], path: Path, conditions: dict) -> 
     left.legend(fontsize=8)
     left.set_title("throughput (dotted: where each saturates)", fontsize=9)
     right.set_title("time to first token, p99", fontsize=9)
-    fig.suptitle(f"{conditions['threads']} torch thread(s) per server, {cpu_name()}, load average "
+    fig.suptitle(f"{conditions['threads']} torch thread(s) per server, {bench_conditions.cpu_name()}, load average "
                  f"{conditions['load_before']['load1']:.2f} before the run", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

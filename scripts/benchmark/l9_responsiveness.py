@@ -311,16 +311,6 @@ def check(args) -> None:
             raise CourseError(f"--before {args.before!r}: not a commit of this repository") from None
 
 
-def cpu_name() -> str:
-    """The CPU's model name and its widest x86 vector extension, from /proc/cpuinfo (Linux)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in info.splitlines()
-                                                            if ":" in line)}
-    flags = fields.get("flags", "").split()
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    return " ".join(x for x in (fields.get("model name", "unknown CPU"), vector) if x)
-
-
 def main() -> None:
     args = parser().parse_args()
     try:
@@ -332,7 +322,7 @@ def main() -> None:
     console = Console(width=None if sys.stdout.isatty() else 160)
     torch.set_num_threads(args.threads)  # so bench_conditions reports the servers' thread count
     conditions = bench_conditions.start()
-    cpu = cpu_name()
+    cpu = bench_conditions.cpu_name()
     console.print(f"[bold]L9 responsiveness[/]: {model_dir.name}, cpu float32, {args.threads} thread(s) per server; "
                   f"{cpu}; {args.duration:g} s per server of {args.clients} streams of {args.max_tokens} tokens, "
                   + (f"a hostile request every {args.hostile_interval:g} s" if args.hostile_interval else
