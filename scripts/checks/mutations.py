@@ -78,7 +78,7 @@ MUTATIONS: list[Mutation] = [
              "shared/attention.py", "torch.arange(tk - tq, tk, device=q.device)", "torch.arange(0, tq, device=q.device)",
              ("tests/test_l3_torch_backend.py",)),
     Mutation("rope-keys-unrotated", "positions", "keys cached before RoPE (only q rotated)",
-             "shared/model.py", "q, k = rope(q, k, positions)", "q, _ = rope(q, k, positions)", L1L2_PARITY),
+             "shared/model.py", "q, k = rope(q, k, rope_tables)", "q, _ = rope(q, k, rope_tables)", L1L2_PARITY),
     # --- L2: token-flat pool ---
     Mutation("slot-offset-div", "slot math", "slot offset pos // S instead of pos % S",
              REQ, "* self.block_size + pos % self.block_size", "* self.block_size + pos // self.block_size",
@@ -119,7 +119,8 @@ MUTATIONS: list[Mutation] = [
              META, "last.append(end - (n_pages - 1) * block_size)", "last.append(end % block_size)",
              ("tests/test_l3_batch_meta.py",)),
     Mutation("kv-indices-reserved", "page tables", "kv_indices includes blocks reserved ahead of the history",
-             META, "pages += r.blocks[:n_pages]", "pages += r.blocks", ("tests/test_l3_batch_meta.py",)),
+             META, "pages.append(r.block_table_tensor(n_pages))", "pages.append(r.block_table_tensor(len(r.blocks)))",
+             ("tests/test_l3_batch_meta.py",)),
     Mutation("kv-indptr-reserved", "page tables", "kv_indptr counts every reserved block, not the pages used",
              META, "kv.append(kv[-1] + n_pages)", "kv.append(kv[-1] + len(r.blocks))", ("tests/test_l3_batch_meta.py",)),
     Mutation("qo-indptr-noncumulative", "page tables", "qo_indptr holds per-request lengths, not prefix sums",
