@@ -47,9 +47,13 @@ def _cpuinfo() -> tuple[str, list[str]]:
     return fields.get("model name", platform.machine()), [f for f in FLAGS if f in present]
 
 
-def commit(paths: Sequence[str] = ("lessons", "shared", "scripts")) -> str:
-    """The code the numbers belong to: HEAD's short hash, '+dirty' when tracked files under `paths` differ
-    from it (a table measured on uncommitted code names no code anyone can check out)."""
+def commit(code: Sequence[str] = ()) -> str:
+    """The code the numbers belong to: HEAD's short hash, '+dirty' when the code measured differs from it (a
+    table measured on uncommitted code names no code anyone can check out). The code measured: lessons/,
+    shared/, this harness, the running script, and the other files a benchmark names in `code`."""
+    import sys
+
+    paths = ["lessons", "shared", str(Path(__file__).resolve()), str(Path(sys.argv[0]).resolve()), *code]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -97,12 +101,13 @@ class Conditions:
 
 
 def start(device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32, backend: str = "unknown",
-          threads: int | None = None) -> Conditions:
-    """Read the machine and the load before a run. Fill in `backend` from the engine once it exists."""
+          threads: int | None = None, code: Sequence[str] = ()) -> Conditions:
+    """Read the machine and the load before a run. Fill in `backend` from the engine once it exists; `code`
+    names the files besides lessons/, shared/ and the running script whose edits the numbers depend on."""
     model, flags = _cpuinfo()
     device = torch.device(device) if isinstance(device, str) else device
     name = model + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
-    return Conditions(commit=commit(), cpu=name, flags=" ".join(flags), cores=os.cpu_count() or 1,
+    return Conditions(commit=commit(code), cpu=name, flags=" ".join(flags), cores=os.cpu_count() or 1,
                       threads=torch.get_num_threads() if threads is None else threads, device=device.type,
                       dtype=str(dtype).removeprefix("torch."), backend=backend, load_before=load1())
 
