@@ -7,32 +7,29 @@ the same run. Part 2: one layer's `run` on prefill rows: 4 slices of 64 rows aft
 chunked prefill) and one whole 512-token prompt. Every backend's output is checked against the oracle's
 first. --threads-scaling: the C++ kernel alone at 1 and 2 threads on each case, and the ratio. --engine: a
 whole L4 run on the embedded model with each backend, checking the tokens are identical. Pin the thread
-count (OMP_NUM_THREADS=1); the conditions (commit, CPU, threads, load average) are printed first and last:
+count (OMP_NUM_THREADS=1); the conditions line (commit, CPU, threads, backends, load) is printed last:
 the ratios are the claim, not the times.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from rich.console import Console
 
-import bench_conditions  # scripts/benchmark/, this script's folder
+import harness  # scripts/benchmark/, this script's folder
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend
 from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 
 DRAM_BYTES = 1024**3  # a read this large comes from DRAM on any machine the course runs on (largest L3 seen: 480 MiB)
-ROOT = Path(__file__).resolve().parents[2]
 # (history length, new rows) per request: L8's slices of a long prompt, and one whole prompt
 PREFILL_CASES = {"4 x 64-row slices after 640-token histories": [(704, 64)] * 4,
                  "one whole 512-token prompt": [(512, 512)]}
+console = Console(width=150)
 
 
 def cpu_backends() -> dict[str, Callable[[], object]]:
@@ -50,23 +47,7 @@ def read_rate(nbytes: int) -> float:
     """Bytes per second one reduction streams through a buffer of `nbytes` (the thread count as set). Summed again
     and again, a buffer that fits a cache is read from there, as the bench's K/V is by repeated run() calls."""
     x = torch.ones(nbytes // 4)
-    return nbytes / alternate({"sum": lambda: x.sum()}, rounds=5, calls=3)["sum"]
-
-
-def conditions(dtype: str) -> str:
-    """What the figures belong to: the commit (+dirty when the kernel or this script differ from it), the CPU and
-    its widest vector instructions, torch's threads, the dtype and the load average now."""
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-    dirty = git("status", "--porcelain", "--", "lessons/l3_block_tensor/backends",
-                "scripts/benchmark/attention_bench.py")
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}{'+dirty' if dirty else ''}; "
-            f"{bench_conditions.cpu_name()} ({os.cpu_count()} cores); {torch.get_num_threads()} torch thread(s); "
-            f"{dtype}; load average {load}")
+    return nbytes / median_times({"sum": lambda: x.sum()}, rounds=5, calls=3)["sum"]
 
 
 def make_batch(rows: list[tuple[int, int]], args: argparse.Namespace, seed: int = 0
@@ -109,68 +90,80 @@ def checked_backends(meta: BatchMeta, q: torch.Tensor, k: torch.Tensor, v: torch
     return backends
 
 
-def alternate(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each fn, measured in alternating rounds."""
+def median_times(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each fn, over `rounds` rounds taken in harness.alternate's order."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm-up: first-call allocations and lazy init stay out of the numbers
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t0) / calls)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    for _, name in harness.alternate(list(fns), rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fns[name]()
+        times[name].append((time.perf_counter() - t0) / calls)
+    return {name: harness.percentiles(ts, (50,))["p50"] for name, ts in times.items()}
 
 
-def layer_run(args: argparse.Namespace) -> None:
+def ratios(t: dict[str, float], scale: float = 1e3) -> list[str]:
+    """Each backend's time (seconds x `scale`), then how many times faster than the oracle the others are, and
+    the kernel than batched."""
+    cells = [harness.fmt(secs * scale, digits=3) for secs in t.values()]
+    cells += [f"{t['torch'] / t[name]:.2f}x" for name in t if name != "torch"]
+    if "cpp" in t:
+        cells.append(f"{t['batched'] / t['cpp']:.2f}x")
+    return cells
+
+
+def columns(names: list[str], first: str) -> list[str]:
+    return [first, *[f"{n} ms" for n in names], *[f"{n} vs torch" for n in names if n != "torch"],
+            *(["cpp vs batched"] if "cpp" in names else [])]
+
+
+def layer_runs(args: argparse.Namespace) -> list[str]:
+    """Part 1 and 2 in one table, one row per case; the decode row also gets the memory floor. Returns the
+    backends timed."""
     meta, q, k, v = decode_batch(args)
     backends = checked_backends(meta, q, k, v, args.dtype)
+    names = list(backends)
     # What any kernel must read: every K and V row of each request's history, once. The sum that gives the rate
     # runs in the same alternating rounds as the backends, so a machine that gets busier slows both alike.
     kv_tokens = int(meta.kv_last_page_len.sum()) + args.block_size * int((meta.kv_indptr.diff() - 1).sum())
     kv_bytes = 2 * kv_tokens * args.hkv * args.head_dim * k.element_size()
     buffer = torch.ones(kv_bytes // 4)
-    t = alternate({**{name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()},
-                   "floor": lambda: buffer.sum()}, args.rounds, args.calls)
+    t = median_times({**{name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()},
+                      "floor": lambda: buffer.sum()}, args.rounds, args.calls)
     floor = t.pop("floor")
     rate, dram_rate = kv_bytes / floor, read_rate(DRAM_BYTES)
-    print(f"one layer's run(): {args.requests} decodes, histories {args.min_history}..{args.max_history}, "
-          f"S={args.block_size}, Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s)")
-    for name, secs in t.items():
-        print(f"  {name:8s} {secs * 1e3:8.3f} ms   {t['torch'] / secs:6.2f}x the oracle   "
-              f"{t['batched'] / secs:6.2f}x batched   {floor / secs:6.1%} of the memory floor")
-    print(f"  memory floor {floor * 1e3:.3f} ms: {kv_bytes / 2**20:.1f} MiB of K/V ({kv_tokens:,} tokens x {args.hkv} "
-          f"KV heads x {args.head_dim} x {k.element_size()} B, K and V) read once, at the rate one sum reads a buffer "
-          f"of that size ({rate / 1e9:.1f} GB/s, timed in the same rounds, same threads); from DRAM (a 1 GiB sum, "
-          f"{dram_rate / 1e9:.1f} GB/s) it would be {kv_bytes / dram_rate * 1e3:.3f} ms")
-
-
-def prefill_run(args: argparse.Namespace) -> None:
-    """Each prefill case: one layer's run() with every backend, the output checked against the oracle's."""
-    for case, rows in PREFILL_CASES.items():
-        meta, q, k, v = make_batch(rows, args)
-        backends = checked_backends(meta, q, k, v, args.dtype)
-        t = alternate({name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()}, args.rounds,
-                      max(1, args.calls // 4))
-        print(f"one layer's run(): {case}, S={args.block_size}, Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, "
-              f"{args.dtype}, {torch.get_num_threads()} thread(s): matches the oracle")
-        for name, secs in t.items():
-            print(f"  {name:8s} {secs * 1e3:8.3f} ms   {t['torch'] / secs:6.2f}x the oracle   "
-                  f"{t['batched'] / secs:6.2f}x batched")
+    fastest = names[-1]
+    decode = f"{args.requests} decodes, histories {args.min_history}..{args.max_history}"
+    rows = [[decode, *ratios(t), f"{floor / t[fastest]:.1%}"]]
+    if not args.no_prefill:
+        for case, case_rows in PREFILL_CASES.items():
+            meta, q, k, v = make_batch(case_rows, args)
+            backends = checked_backends(meta, q, k, v, args.dtype)
+            t = median_times({name: (lambda b=b: b.run(q, k, v, meta)) for name, b in backends.items()},
+                             args.rounds, max(1, args.calls // 4))
+            rows.append([case, *ratios(t), "-"])
+    console.print(harness.table(
+        f"one layer's run(), S={args.block_size}, Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, {args.dtype}, "
+        f"{torch.get_num_threads()} thread(s), median of {args.rounds} alternating rounds; every output matches "
+        "the oracle's", [*columns(names, "case"), f"{fastest} share of the memory floor"], rows))
+    print(f"memory floor {floor * 1e3:.3f} ms: the {args.requests} decodes read {kv_bytes / 2**20:.1f} MiB of K/V "
+          f"({kv_tokens:,} tokens x {args.hkv} KV heads x {args.head_dim} x {k.element_size()} B, K and V) once, at "
+          f"the rate one sum reads a buffer of that size ({rate / 1e9:.1f} GB/s, timed in the same rounds, same "
+          f"threads); from DRAM (a 1 GiB sum, {dram_rate / 1e9:.1f} GB/s) it would be "
+          f"{kv_bytes / dram_rate * 1e3:.3f} ms")
+    return names
 
 
 def threads_scaling(args: argparse.Namespace) -> None:
     """The C++ kernel at 1 and 2 threads on each case, alternating, planned at each count (plan() splits KV
     heads when row tiles are fewer than threads). The ratio is only as good as the machine is idle."""
     threads = torch.get_num_threads()
-    cases = {"decode batch (part 1)": decode_rows(args), **PREFILL_CASES}
-    print(f"the C++ kernel at 1 and 2 threads ({os.cpu_count()} cores), {args.dtype}, load average before "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    cases = {f"decode batch ({args.requests} decodes)": decode_rows(args), **PREFILL_CASES}
+    rows = []
     try:
-        for case, rows in cases.items():
-            meta, q, k, v = make_batch(rows, args)
+        for case, case_rows in cases.items():
+            meta, q, k, v = make_batch(case_rows, args)
             kernel = checked_backends(meta, q, k, v, args.dtype, names=["cpp"])["cpp"]
 
             def at(n: int) -> Callable[[], object]:
@@ -180,13 +173,13 @@ def threads_scaling(args: argparse.Namespace) -> None:
                     return [kernel.run(q, k, v, meta) for _ in range(4)]
                 return go
 
-            t = alternate({"1 thread": at(1), "2 threads": at(2)}, args.rounds, max(1, args.calls // 4))
-            print(f"  {case:45s} 1 thread {t['1 thread'] / 4 * 1e3:8.3f} ms   2 threads "
-                  f"{t['2 threads'] / 4 * 1e3:8.3f} ms   {t['1 thread'] / t['2 threads']:5.2f}x")
+            t = median_times({"1 thread": at(1), "2 threads": at(2)}, args.rounds, max(1, args.calls // 4))
+            rows.append([case, harness.fmt(t["1 thread"] / 4 * 1e3, digits=3),
+                         harness.fmt(t["2 threads"] / 4 * 1e3, digits=3), f"{t['1 thread'] / t['2 threads']:.2f}x"])
     finally:
         torch.set_num_threads(threads)
-    print(f"  load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min): above ~0 "
-          "others shared the 2 threads' cores, and the ratio is low by their share")
+    console.print(harness.table(f"the C++ kernel at 1 and 2 threads, {args.dtype}, plan() + 4 run() calls per "
+                                "timing, ms per run()", ["case", "1 thread ms", "2 threads ms", "ratio"], rows))
 
 
 def engine_run(args: argparse.Namespace) -> None:
@@ -204,23 +197,28 @@ def engine_run(args: argparse.Namespace) -> None:
     # Room for every request at once: backpressure would change the batches the two backends see.
     num_blocks = sum(-(-(len(p) + args.new_tokens) // args.block_size) for p in prompts)
     out: dict[str, list[list[int]]] = {}
+    used: dict[str, str] = {}
 
     def run(name: str) -> Callable[[], None]:
         def go() -> None:
-            out[name] = L4Engine(model, args.block_size, num_blocks, backend=name).generate_batch(prompts, stop)
+            engine = L4Engine(model, args.block_size, num_blocks, backend=name)
+            used[name] = harness.backend_name(engine)
+            out[name] = engine.generate_batch(prompts, stop)
         return go
 
-    t = alternate({name: run(name) for name in cpu_backends()}, rounds=args.engine_rounds, calls=1)
+    t = median_times({name: run(name) for name in cpu_backends()}, rounds=args.engine_rounds, calls=1)
     assert all(tokens == out["torch"] for tokens in out.values()), "the backends disagree on the tokens"
-    print(f"whole L4 run: embedded model, {args.requests} prompts of {args.min_history}..{args.max_history} tokens, "
-          f"{args.new_tokens} new tokens each, S={args.block_size}: identical tokens")
-    for name, secs in t.items():
-        print(f"  {name:8s} {secs:8.3f} s    {t['torch'] / secs:6.2f}x the oracle   "
-              f"{t['batched'] / secs:6.2f}x batched")
+    assert all(used[name] == name for name in used), f"an engine fell back to another backend: {used}"
+    console.print(harness.table(
+        f"whole L4 run: embedded model, fp32, {args.requests} prompts of {args.min_history}..{args.max_history} "
+        f"tokens, {args.new_tokens} new tokens each, S={args.block_size}, median of {args.engine_rounds} "
+        "alternating rounds: identical tokens", [c.replace(" ms", " s") for c in columns(list(t), "run")],
+        [["L4 generate_batch", *ratios(t, scale=1)]]))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attention_bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--min-history", type=int, default=32)
     p.add_argument("--max-history", type=int, default=640)
@@ -237,16 +235,20 @@ def main() -> None:
     p.add_argument("--engine", action="store_true", help="also time a whole L4 run on the embedded model")
     p.add_argument("--new-tokens", type=int, default=16, help="new tokens per request in the --engine run")
     p.add_argument("--engine-rounds", type=int, default=3)
-    args = p.parse_args()
-    print(conditions(args.dtype))
-    layer_run(args)
-    if not args.no_prefill:
-        prefill_run(args)
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    conditions = harness.start("cpu", args.dtype, code=["scripts/benchmark/attention_bench.py"])
+    names = layer_runs(args)
+    conditions.backend = ",".join(names)  # every backend timed, in the tables' order
     if args.threads_scaling:
         threads_scaling(args)
+        conditions.extra["threads-scaling"] = "1 and 2"
     if args.engine:
         engine_run(args)
-    print(conditions(args.dtype))
+    harness.finish(conditions, console)
 
 
 if __name__ == "__main__":
