@@ -97,6 +97,20 @@ def test_online_softmax_rescales_when_a_later_page_holds_the_max():
     torch.testing.assert_close(run(CppBackend(), meta, q, k, v), want, **FP32_TOL)
 
 
+def test_online_softmax_script_shows_exercise_5s_bug():
+    # scripts/l3_online_softmax.py works the kernel's lane loop by hand; its "bug" must be exercise 5's and the
+    # cpp-no-rescale mutation's (only the accumulator's shrink deleted), which lifts the output above every value.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("l3_online_softmax", ROOT / "scripts" / "l3_online_softmax.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    values = [v for _, page in script.PAGES for v in page]
+    assert script.online(script.PAGES) == pytest.approx(script.one_pass(script.PAGES))
+    assert script.online(script.PAGES, shrink_acc=False) > max(values)
+    assert min(values) < script.online(script.PAGES, shrink_sum=False, shrink_acc=False) < max(values)
+
+
 @needs_kernel
 def test_requests_read_only_their_own_pages():
     # Three decodes over the same history length, each request's V a different constant: attention is a
