@@ -2,58 +2,33 @@
 prefilled whole, in one step) and on L8 at several token budgets, all in one invocation.
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l8_bench.py [--quick] [--budgets 32,64,...] [--repeats N]
-        [--seed 0] [--json PATH] [--png PATH | --no-png] [--model DIR] [--device cpu] [--dtype float32]
-        [--late-shorts N] [--max-long-prefills K --long-prefill-threshold T]
+        [--backend auto] [--late-shorts N] [--max-long-prefills K --long-prefill-threshold T] [--json PATH] ...
 
-The default run takes about 2.5 minutes on one CPU thread, --quick about 20 s.
+Workload (seeded, the same for every engine): --shorts short requests (prompts of 16-64 random token ids,
+32-64 new tokens, EOS ignored), --longs long prompts of --long-len tokens (16 new tokens each), and
+--late-shorts more short ones, each right after a long prompt. Random ids from 1000..min(100000, vocab): no
+two prompts share a block, so the prefix cache does not hit (a note says if it did). Arrivals follow the
+short requests' progress (their output tokens in total), not step numbers, which differ between L7 and L8:
+short i arrives once they have produced 3 * i tokens, long prompt j at a fraction of their total output
+spaced over 0.15 .. 0.6, so every long prompt lands while most short requests are mid-decode.
 
-The workload (seeded by --seed, the same for every engine):
-  * --shorts short requests: prompts of 16-64 random token ids, 32-64 new tokens each (ignore EOS);
-  * --longs long prompts of --long-len (default 1,500-3,000) random token ids, 16 new tokens each.
-  * --late-shorts more short requests (default 0), each submitted right after a long prompt (in turn): they
-    queue behind it, which is what --max-long-prefills is for.
-Token ids are drawn at random from 1000..min(100000, vocab), so no two prompts share a block and the prefix
-cache does not hit (the report would say if it did).
+Every engine: the same pool (every request fits at once: no preemption), block size 16, graphs on, a fresh
+engine per timed run warmed up on a small run of its own; rounds alternate the engines' order
+(harness.alternate) and percentiles pool all rounds. A token is stamped when its step returns (after a CUDA
+synchronize on a GPU); L8's own engine.timing must agree, step for step. Reported per engine, also as a
+ratio to L7's: TTFT p50/p99 of short and long requests, the short requests' inter-token gap p50/p99 and
+longest gap (seconds and steps), throughput (output tokens / wall seconds). Greedy tokens must equal L7's
+(else FAIL, exit 1). With --max-long-prefills K --long-prefill-threshold T every budget also runs with L8's
+long-prompt limit (those rows stay out of the target and the plot).
 
-Arrivals are not fixed engine steps: L7 and L8 take different numbers of steps for the same work, so a step
-number would be a different moment in each. An arrival waits instead for the short requests' progress (the
-output tokens they have produced in total, a count both engines pass through): short i is submitted once the
-shorts have produced 3 * i tokens (a ramp over the first steps), and long prompt j once they have produced a
-fraction f_j of all their tokens, f evenly spaced over 0.15 .. 0.6, so every long prompt lands while most
-short requests are mid-decode. A request is submitted right before the first step that sees it.
-
-Every engine gets the same pool (big enough for every request at once: no preemption, so the comparison is
-about scheduling alone), block size 16, graphs on (on CPU L7's static-buffer path runs eagerly), and a fresh
-engine per timed run, warmed up first on a small run of its own. --repeats rounds each run every engine once,
-odd rounds in reverse order; percentiles pool the samples of all rounds. One loop drives both engines and
-measures both the same way: a request's arrival is stamped when it is submitted, and every request that
-gained a token in a step is stamped with time.perf_counter() when the step returns (after a CUDA synchronize
-on a GPU). L8's own engine.timing is checked against these stamps, step for step.
-
-Reported per engine, each also as a ratio to L7's: time to first token (TTFT) p50/p99 of the short requests
-and of the long ones (with 2-4 long prompts their p99 is about the slowest), the short requests' inter-token
-gap p50/p99 and longest gap (in seconds and in steps), and throughput (output tokens / wall seconds of the
-run). Every engine's greedy tokens must equal L7's, request for request: a mismatch prints FAIL, exit 1.
-
-With --max-long-prefills K and --long-prefill-threshold T every budget also runs with L8's long-prompt
-limit (at most K prompts with more than T tokens left part-way through, no slice above T), in the same
-rounds: compare its short TTFT with the plain row above it. Those rows stay out of the target and the plot.
-
-Target (a benchmark, not a test): at one budget, L8's p99 inter-token gap of the short requests at most 1/3
-of L7's, with throughput within 10% of L7's. The report says whether it was met, and at which budgets.
-The PNG plots the sweep, p99 gap of the short requests against throughput, one point per budget and L7 for
-reference; by default into the course cache (shared.tiny_qwen3.cache_root()/bench/l8_budget_sweep.png).
-
-On a CPU, attention over a prompt with a dense causal mask costs more per score the bigger the score matrix
-(it leaves the caches), so prefilling a 3,000-token prompt whole is slower than in slices: there a small
-budget gains throughput as well as gaps, and a large one loses both.
+Target (a benchmark, not a test): at some budget, a p99 inter-token gap of the short requests at most 1/3
+of L7's with throughput at least 90% of L7's. The PNG plots p99 gap against throughput, one point per
+budget (default: <course cache>/bench/l8_budget_sweep.png). The conditions line (commit, CPU, threads, the
+attention backend the engines really used, load) is printed before the table.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import sys
 import time
@@ -63,10 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark's own modules
-import bench_conditions  # noqa: E402
+import harness  # noqa: E402
 from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
 from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
 from lessons.l7_cuda_graphs import L7Engine  # noqa: E402
@@ -145,41 +119,13 @@ def drive(engine: L7Engine, jobs: list[Job], sync) -> tuple[list[Trace], float, 
     return traces, time.perf_counter() - t0, engine.clock - clock0  # type: ignore[return-value]
 
 
-def pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def metrics(rounds: list[tuple[list[Trace], float, int]]) -> dict:
-    """Percentiles over every round's samples pooled; throughput = all tokens / all wall seconds; wall and steps:
-    the mean per run."""
-    ttft = {"short": [], "long": []}
-    gaps, gap_steps, tokens, wall, steps = [], [], 0, 0.0, 0
-    for traces, seconds, n_steps in rounds:
-        wall, steps = wall + seconds, steps + n_steps
-        for t in traces:
-            tokens += len(t.token_s)
-            ttft[t.job.kind].append(t.token_s[0] - t.arrival_s)
-            if t.job.kind == "short":
-                gaps += [b - a for a, b in zip(t.token_s, t.token_s[1:])]
-                gap_steps += [b - a for a, b in zip(t.token_steps, t.token_steps[1:])]
-    n = len(rounds)  # tokens, wall seconds and steps: per run (the mean over rounds)
-    return {"tokens": tokens // n, "wall_s": wall / n, "steps": steps / n, "tokens_per_s": tokens / wall,
-            "short_ttft_p50_s": pct(ttft["short"], 50), "short_ttft_p99_s": pct(ttft["short"], 99),
-            "long_ttft_p50_s": pct(ttft["long"], 50), "long_ttft_p99_s": pct(ttft["long"], 99),
-            "short_gap_p50_s": pct(gaps, 50), "short_gap_p99_s": pct(gaps, 99),
-            "short_gap_max_s": max(gaps, default=None), "short_gap_max_steps": max(gap_steps, default=None)}
-
-
-RATIO_KEYS = ("tokens_per_s", "short_ttft_p50_s", "short_ttft_p99_s", "long_ttft_p50_s", "long_ttft_p99_s",
-              "short_gap_p50_s", "short_gap_p99_s", "short_gap_max_s", "wall_s")
-
-
 @dataclass
 class Run:
     traces: list[Trace]
     seconds: float
     steps: int
     notes: list[str]
+    backend: str  # the attention backend the engine really used
 
 
 def run_once(make, jobs: list[Job], warm: list[Job], sync) -> Run:
@@ -200,14 +146,34 @@ def run_once(make, jobs: list[Job], warm: list[Job], sync) -> Run:
         over = max(engine.step_tokens[before[2]:], default=0)
         if over > engine.max_batched_tokens:
             notes.append(f"a step computed {over} tokens, over the budget {engine.max_batched_tokens}")
-    return Run(traces, seconds, steps, notes)
+    return Run(traces, seconds, steps, notes, harness.backend_name(engine))
+
+
+RATIO_KEYS = ("tokens_per_s", "short_ttft_p50_s", "short_ttft_p99_s", "long_ttft_p50_s", "long_ttft_p99_s",
+              "short_gap_p50_s", "short_gap_p99_s", "short_gap_max_s", "wall_s")
 
 
 def summarize(name: str, budget: int | None, runs: list[Run], jobs: list[Job]) -> dict:
+    """Percentiles over every round's samples pooled; throughput = all tokens / all wall seconds; tokens, wall
+    and steps: the mean per run."""
+    ttft: dict[str, list[float]] = {"short": [], "long": []}
+    gaps, gap_steps, tokens = [], [], 0
+    for r in runs:
+        for t in r.traces:
+            tokens += len(t.token_s)
+            ttft[t.job.kind].append(t.token_s[0] - t.arrival_s)
+            if t.job.kind == "short":
+                gaps += [b - a for a, b in zip(t.token_s, t.token_s[1:])]
+                gap_steps += [b - a for a, b in zip(t.token_steps, t.token_steps[1:])]
+    wall, n = sum(r.seconds for r in runs), len(runs)
+    pct = lambda values, prefix: {f"{prefix}_{q}_s": v for q, v in harness.percentiles(values, (50, 99)).items()}  # noqa: E731
     outputs = [[list(t.seq.output_ids) for t in r.traces] for r in runs]
     complete = all(len(out) == j.new_tokens for run in outputs for out, j in zip(run, jobs))
-    return {"engine": name, "budget": budget, **metrics([(r.traces, r.seconds, r.steps) for r in runs]),
-            "notes": sorted({n for r in runs for n in r.notes}), "outputs": outputs[0],
+    return {"engine": name, "budget": budget, "tokens": tokens // n, "wall_s": wall / n,
+            "steps": sum(r.steps for r in runs) / n, "tokens_per_s": tokens / wall,
+            **pct(ttft["short"], "short_ttft"), **pct(ttft["long"], "long_ttft"), **pct(gaps, "short_gap"),
+            "short_gap_max_s": max(gaps, default=None), "short_gap_max_steps": max(gap_steps, default=None),
+            "notes": sorted({note for r in runs for note in r.notes}), "outputs": outputs[0],
             "_parity": (complete, outputs),
             "rounds": [{"wall_s": r.seconds, "steps": r.steps, "requests": [
                 {"kind": t.job.kind, "arrival_step": t.arrival_step, "token_steps": t.token_steps,
@@ -215,34 +181,25 @@ def summarize(name: str, budget: int | None, runs: list[Run], jobs: list[Job]) -
 
 
 def fmt_s(v: float | None) -> str:
-    if v is None:
-        return "—"
-    return f"{v * 1e3:.0f} ms" if v < 10 else f"{v:.1f} s"
+    return "—" if v is None else f"{v * 1e3:.0f} ms" if v < 10 else f"{v:.1f} s"
 
 
-def show(console: Console, rows: list[dict], title: str) -> None:
-    t = Table(title=title)
-    cols = [("engine", None), ("steps/run", None), ("wall/run", "wall_s"), ("throughput", "tokens_per_s"),
-            ("short TTFT p50", "short_ttft_p50_s"), ("short TTFT p99", "short_ttft_p99_s"),
-            ("long TTFT p50", "long_ttft_p50_s"), ("long TTFT p99", "long_ttft_p99_s"),
-            ("short gap p50", "short_gap_p50_s"), ("short gap p99", "short_gap_p99_s"),
-            ("max gap", "short_gap_max_s"), ("parity", None)]
-    for name, _ in cols:
-        t.add_column(name, justify="left" if name == "engine" else "right")
-    for r in rows:
-        cells = [r["engine"], f"{r['steps']:.0f}"]
-        for _, key in cols[2:-1]:
-            value, ratio = r[key], r["x_l7"][key]
-            shown = {"tokens_per_s": f"{value:.1f} tok/s", "wall_s": f"{value:.1f} s"}.get(key) or fmt_s(value)
-            if key == "short_gap_max_s":
-                shown += f" / {r['short_gap_max_steps']} st"
-            cells.append(f"{shown}\n[bold]{ratio:.2f}x[/]" if ratio is not None else shown)
-        cells.append("[green]same[/]" if r["parity"] else "[red]FAIL[/]")
-        t.add_row(*cells)
-    console.print(t)
-    console.print("  each cell: the value, and below it the ratio to L7's (throughput: higher is better; "
-                  "times: lower is better); max gap: the longest wait between two tokens of a short request, "
-                  "in seconds / in engine steps")
+COLUMNS = [("steps/run", None), ("wall/run", "wall_s"), ("throughput", "tokens_per_s"),
+           ("short TTFT p50", "short_ttft_p50_s"), ("short TTFT p99", "short_ttft_p99_s"),
+           ("long TTFT p50", "long_ttft_p50_s"), ("long TTFT p99", "long_ttft_p99_s"),
+           ("short gap p50", "short_gap_p50_s"), ("short gap p99", "short_gap_p99_s"), ("max gap", "short_gap_max_s")]
+
+
+def cells(r: dict) -> list[str]:
+    """One table row: each cell the value and, below it, the ratio to L7's."""
+    out = [r["engine"], f"{r['steps']:.0f}"]
+    for _, key in COLUMNS[1:]:
+        value, ratio = r[key], r["x_l7"][key]
+        shown = {"tokens_per_s": f"{value:.1f} tok/s", "wall_s": f"{value:.1f} s"}.get(key) or fmt_s(value)
+        if key == "short_gap_max_s":
+            shown += f" / {r['short_gap_max_steps']} st"
+        out.append(f"{shown}\n[bold]{ratio:.2f}x[/]" if ratio is not None else shown)
+    return out + ["[green]same[/]" if r["parity"] else "[red]FAIL[/]"]
 
 
 def target(rows: list[dict]) -> dict:
@@ -259,17 +216,12 @@ def target(rows: list[dict]) -> dict:
                                                "throughput_x_l7": tput(best)}}
 
 
-def plot(report: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict, path: Path, conditions: harness.Conditions, console: Console) -> Path:
     l7, sweep = report["engines"][0], [r for r in report["engines"][1:] if r["long_limit"] is None]
     xs = [r["x_l7"]["tokens_per_s"] for r in sweep]
     ys = [r["short_gap_p99_s"] * 1e3 for r in sweep]
     l7_y = l7["short_gap_p99_s"] * 1e3
-    fig, ax = plt.subplots(figsize=(8, 5.2))
+    fig, ax = harness.figure(figsize=(8, 5.2))
     ax.set_yscale("log")
     lo_x, hi_x = min(xs + [1.0, THROUGHPUT_TARGET]) - 0.08, max(xs + [1.0]) + 0.08
     lo_y, hi_y = min(ys + [l7_y]) / 2, max(ys + [l7_y]) * 2
@@ -287,17 +239,14 @@ def plot(report: dict, path: Path) -> Path:
     ax.set_xlabel("throughput ÷ L7's (output tokens per second, same invocation)")
     ax.set_ylabel("p99 inter-token gap of the short requests (ms, log scale)")
     w = report["workload"]
-    ax.set_title(f"L8 token-budget sweep ({Path(report['model']).name}, {report['device']}, "
-                 f"{report['conditions']['threads']} thread(s))\n{w['shorts']} short requests decoding, "
+    ax.set_title(f"L8 token-budget sweep ({Path(report['model']).name}, {conditions.device}, backend "
+                 f"{conditions.backend}, {conditions.threads} thread(s))\n{w['shorts']} short requests decoding, "
                  f"{w['longs']} long prompts of {'/'.join(str(n) for n in w['long_prompt_tokens'])} tokens arriving",
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(True, which="both", alpha=0.25)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return harness.save_png(fig, path, conditions, console)
 
 
 def parser() -> OneLineParser:
@@ -383,10 +332,10 @@ def main() -> None:
         num_blocks = sum(blocks_for(len(j.prompt_ids) + j.new_tokens, args.block_size) for j in jobs + warm) + len(jobs)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         common = (model, args.block_size, num_blocks, 64, args.backend)
-        conditions = bench_conditions.start()
+        conditions = harness.start(device, dtype, backend=args.backend)
+        conditions.extra["model"] = "embedded" if args.model is None else args.model
         longs = [len(j.prompt_ids) for j in jobs if j.kind == "long"]
-        console.print(f"[bold]L8 chunked-prefill benchmark[/]: {model_dir.name}, {device}, {str(dtype).removeprefix('torch.')}, "
-                      f"torch threads {torch.get_num_threads()}, seed {args.seed}, {args.repeats} timed run(s) per engine")
+        console.print(f"[bold]L8 chunked-prefill benchmark[/]: seed {args.seed}, {args.repeats} timed run(s) per engine")
         console.print(f"  workload: {args.shorts} short requests (prompts {SHORT_PROMPT[0]}-{SHORT_PROMPT[1]} tokens, "
                       f"{SHORT_NEW[0]}-{SHORT_NEW[1]} new), short i submitted once the shorts produced {SHORT_EVERY}*i "
                       f"tokens; {args.longs} long prompts of {', '.join(map(str, longs))} tokens ({LONG_NEW} new each) "
@@ -405,11 +354,11 @@ def main() -> None:
                     *common, graphs=True, max_batched_tokens=b, max_long_prefills=limit, long_prefill_threshold=t)))
         runs: dict[str, list[Run]] = {name: [] for name, _, _ in engines}
         with torch.inference_mode():
-            for k in range(args.repeats):  # odd rounds in reverse order: a drift in the machine's speed hits all alike
-                for name, _, make in engines if k % 2 == 0 else engines[::-1]:
-                    run = run_once(make, jobs, warm, sync)
-                    runs[name].append(run)
-                    console.print(f"  round {k + 1}/{args.repeats}, {name}: {run.steps} steps, {run.seconds:.1f} s")
+            for k, (name, _, make) in harness.alternate(engines, args.repeats):
+                run = run_once(make, jobs, warm, sync)
+                runs[name].append(run)
+                console.print(f"  round {k + 1}/{args.repeats}, {name}: {run.steps} steps, {run.seconds:.1f} s")
+        conditions.backend = ",".join(sorted({r.backend for rs in runs.values() for r in rs}))
         rows = [summarize(name, budget, runs[name], jobs) for name, budget, _ in engines]
         for row in rows:
             row["long_limit"] = (None if "long prompts" not in row["engine"]
@@ -419,14 +368,17 @@ def main() -> None:
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    bench_conditions.finish(conditions, console)
     base = rows[0]
     for r in rows:
         r["x_l7"] = {k: (r[k] / base[k] if r[k] is not None and base[k] else None) for k in RATIO_KEYS}
         complete, outputs = r.pop("_parity")
         r["parity"] = complete and outputs == [base["outputs"]] * args.repeats
-    show(console, rows, f"Long prompts among decoding short requests: L7 vs L8 token budgets "
-                        f"({len(jobs)} requests, {base['tokens']} output tokens per run)")
+    harness.finish(conditions, console)
+    console.print(harness.table(f"Long prompts among decoding short requests: L7 vs L8 token budgets ({len(jobs)} "
+                                f"requests, {base['tokens']} output tokens per run)",
+                                ["engine", *(name for name, _ in COLUMNS), "parity"], [cells(r) for r in rows]))
+    console.print("  each cell: the value, and below it the ratio to L7's (throughput: higher is better; times: lower "
+                  "is better); max gap: the longest wait between two tokens of a short request, in seconds / in steps")
     goal = target(rows)
     if goal["met"]:
         console.print(f"target [green]met[/] at budget(s) {', '.join(map(str, goal['budgets']))}: short requests' p99 "
@@ -438,23 +390,18 @@ def main() -> None:
     for r in rows:
         for note in r["notes"]:
             console.print(f"  [yellow]{r['engine']}: {note}[/]")
-    report = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "model": str(model_dir), "device": str(device),
-              "dtype": str(dtype).removeprefix("torch."), "conditions": conditions, "seed": args.seed,
-              "repeats": args.repeats, "wall_seconds": wall, "num_blocks": num_blocks, "block_size": args.block_size,
+    report = {"model": str(model_dir), "seed": args.seed, "repeats": args.repeats, "wall_seconds": wall,
+              "num_blocks": num_blocks, "block_size": args.block_size,
               "workload": {"shorts": args.shorts, "longs": args.longs, "long_prompt_tokens": longs,
                            "late_shorts": args.late_shorts,
                            "jobs": [{"kind": j.kind, "prompt_tokens": len(j.prompt_ids), "new_tokens": j.new_tokens,
                                      "submitted_at_short_tokens": j.milestone} for j in jobs]},
               "engines": rows, "target": goal}
     if not args.no_png:
-        png = Path(args.png) if args.png else cache_root() / "bench" / "l8_budget_sweep.png"
-        report["png"] = str(plot(report, png))
-        console.print(f"plot written to {png}")
+        report["png"] = str(plot(report, Path(args.png) if args.png else cache_root() / "bench" / "l8_budget_sweep.png",
+                                 conditions, console))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        console.print(f"results written to {args.json}")
+        harness.write_json(args.json, report, conditions, console)
     console.print(f"wall time {wall:.0f} s")
     failed = [r["engine"] for r in rows if not r["parity"]]
     if failed:
