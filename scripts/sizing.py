@@ -194,6 +194,56 @@ def topic_buffers() -> None:
     print(f"  one FlashInfer float workspace: {mib(WORKSPACE_BYTES, 0)}")
 
 
+RDMA_BYTES_PER_S = 50e9  # one 400 Gb/s InfiniBand NDR / RoCE port, line rate: a common prefill-to-decode link
+CHUNK_TOKENS = (1, 64, 256, 512, 2048, 8192, 16384)  # tokens in one step (the budget, when it is full)
+CHUNK_PROMPT, DISAGG_PROMPT = 32768, 4096
+
+
+def topic_chunk() -> None:
+    name = "Qwen3-8B"
+    cfg, nbytes = MODELS[name]
+    _, matmul = params(cfg)
+    head = cfg.vocab_size * cfg.hidden_size  # untied: the LM head is its own matrix, read whole every step
+    weights = (matmul + head) * nbytes  # the embedding table is gathered by row, not read whole
+    with torch.device("meta"):
+        linears = [m for m in Qwen3ForCausalLM(cfg).model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    act = sum(m.in_features + m.out_features for m in linears) * nbytes  # each matmul reads its input, writes its output
+    flop = 2 * matmul  # per token, the layers' matmuls
+    ridge = H100_BF16_FLOPS / H100_HBM_BYTES_PER_S
+    print(f"{name} bf16, one step of T tokens on an H100 SXM: ridge {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s / "
+          f"{H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s = {ridge:.0f} FLOP/byte")
+    print(f"  weights read once per step: {matmul:,} matmul weights in the layers + the LM head's {head:,} = "
+          f"{matmul + head:,} x {nbytes} B = {weights / 1e9:.1f} GB")
+    print(f"  per token: 2 x {matmul:,} = {flop / 1e9:.1f} GFLOP in the layers' matmuls, and "
+          f"{act / 1e6:.1f} MB of their inputs and outputs (unfused)")
+    crossing = ridge * weights / (flop - ridge * act)  # solves flop T / (weights + act T) = ridge
+    print(f"  intensity(T) = {flop / 1e9:.1f} GFLOP x T / ({weights / 1e9:.1f} GB + {act / 1e6:.1f} MB x T) "
+          f"reaches the ridge at T = {crossing:.0f} tokens")
+    print(f"  {'T':>7} {'FLOP/byte':>10} {'read time':>10} {'matmul time at peak':>20}  bound by")
+    for t in CHUNK_TOKENS:
+        moved, work = weights + act * t, flop * t
+        read, compute = moved / H100_HBM_BYTES_PER_S, work / H100_BF16_FLOPS
+        print(f"  {t:>7,} {work / moved:>10.1f} {read * 1e3:>7.2f} ms {compute * 1e3:>17.2f} ms  "
+              f"{'weight reads' if read > compute else 'matmuls'}")
+    per = cfg.kv_bytes_per_token(nbytes)
+    whole = prefill_flop(cfg, CHUNK_PROMPT) / H100_BF16_FLOPS
+    print(f"a {CHUNK_PROMPT:,}-token prompt in slices of c: every slice re-reads the KV before it "
+          f"({kib(per)} per token); the whole prefill at peak: {whole * 1e3:.0f} ms")
+    for c in (512, 2048, 8192):
+        n = CHUNK_PROMPT // c
+        reread = c * n * (n - 1) // 2 * per  # slice k reads k * c tokens of history
+        print(f"  c = {c:>5,}: {n} slices, {reread / 1e9:.1f} GB of KV re-read = "
+              f"{reread / H100_HBM_BYTES_PER_S * 1e3:.1f} ms at {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s")
+    kv = DISAGG_PROMPT * per
+    prefill = prefill_flop(cfg, DISAGG_PROMPT) / H100_BF16_FLOPS
+    print(f"disaggregated prefill, a {DISAGG_PROMPT:,}-token prompt: {DISAGG_PROMPT:,} x {kib(per)} = "
+          f"{kv / 1e6:.0f} MB of KV moved to the decode instance")
+    print(f"  over one {RDMA_BYTES_PER_S * 8 / 1e9:.0f} Gb/s RDMA link: {kv / RDMA_BYTES_PER_S * 1e3:.1f} ms; over "
+          f"NVLink 4 ({NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s): {kv / NVLINK4_BYTES_PER_S * 1e3:.1f} ms; the prefill "
+          f"itself at peak: {prefill * 1e3:.0f} ms; one decode step's weight read: "
+          f"{weights / H100_HBM_BYTES_PER_S * 1e3:.1f} ms")
+
+
 TP_MODELS = ("Qwen3-8B", *QWEN3_LARGER)  # bf16, like MODELS' Qwen3 entries; 14B and 32B only in this topic
 TP_SIZES, TP_REQUEST_TOKENS, TP_DECODE_T, TP_PREFILL_T = (1, 2, 4, 8), 4096, 64, 4096
 
@@ -281,7 +331,7 @@ def topic_tp() -> None:
 
 
 TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
-          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "tp": topic_tp}
+          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk, "tp": topic_tp}
 
 
 def main() -> None:
