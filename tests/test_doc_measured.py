@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
 import harness  # noqa: E402
 
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
-REGION = re.compile(r"<!-- measured: \$ (.+?) -->\n(.*?)<!-- /measured -->", re.S)
-OPEN = re.compile(r"<!-- measured:")
+REGION = re.compile(r"^<!-- measured: \$ (.+?) -->\n(.*?)^<!-- /measured -->", re.S | re.M)
+OPEN = re.compile(r"^<!-- measured:", re.M)  # at a line's start: prose may name the marker
 CONDITIONS = re.compile(r"^`?(conditions · .+?)`?\s*$", re.M)
 # Regions whose numbers another test checks against a command's output, and quoted output.
 CHECKED = re.compile(r"<!-- numbers: .*?<!-- /numbers -->|^<!-- (?:output|quote)[^\n]*\n```.*?^```[ \t]*$", re.M | re.S)
