@@ -96,6 +96,7 @@ def test_the_class_check_sees_a_bare_table():
 def load_script(path: Path):
     spec = importlib.util.spec_from_file_location(f"measured_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a script's dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
