@@ -280,7 +280,7 @@ def test_no_field_of_openais_api_is_unknown():
     assert set(ChatCompletionStreamOptionsParam.__annotations__) <= STREAM_OPTIONS | IGNORED_STREAM_OPTIONS
 
 
-ACCEPTED = [{"store": False}, {"store": True}, {"metadata": {}}, {"metadata": {"run": "7"}},
+ACCEPTED = [{"store": False}, {"store": None}, {"metadata": {}}, {"metadata": None},
             {"service_tier": "auto"}, {"service_tier": "default"}, {"user": "u"}, {"safety_identifier": "s"},
             {"prompt_cache_key": "k"}, {"reasoning_effort": None}, {"verbosity": None}, {"modalities": ["text"]},
             {"repetition_penalty": 1.0}, {"min_tokens": 0}, {"min_p": 0.0}, {"skip_special_tokens": True},
@@ -294,24 +294,56 @@ ACCEPTED = [{"store": False}, {"store": True}, {"metadata": {}}, {"metadata": {"
 
 @pytest.mark.parametrize("extra", ACCEPTED, ids=[repr(e)[:50] for e in ACCEPTED])
 def test_fields_that_change_nothing_are_accepted(extra):
-    """Bookkeeping fields with any value, and vLLM's extensions with their do-nothing value, parse on chat."""
+    """Bookkeeping fields with any value, and the fields the server cannot honour with their do-nothing value
+    (store false, metadata empty, service_tier auto or default, vLLM's extensions), parse on chat."""
     parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}, 16)
 
 
 REFUSED = [({"reasoning_effort": "low"}, "reasoning_effort", "enable_thinking"),
-           ({"verbosity": "low"}, "verbosity", "not supported"),
-           ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
-           ({"repetition_penalty": 1.1}, "repetition_penalty", "not supported"),
-           ({"min_tokens": 5}, "min_tokens", "not supported"),
-           ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
-           ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
-           ({"add_generation_prompt": False}, "add_generation_prompt", "not supported"),
+           ({"verbosity": "low"}, "verbosity", "unsupported field"),
+           ({"modalities": ["text", "audio"]}, "modalities", "unsupported field"),
+           ({"repetition_penalty": 1.1}, "repetition_penalty", "unsupported field"),
+           ({"min_tokens": 5}, "min_tokens", "unsupported field"),
+           ({"skip_special_tokens": False}, "skip_special_tokens", "unsupported field"),
+           ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "unsupported field"),
+           ({"add_generation_prompt": False}, "add_generation_prompt", "unsupported field"),
            ({"prompt": "hi"}, "prompt", "not a field of this endpoint"),
            ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name", "ignores it"),
            ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", "unknown"),
            ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats",
             "true or false"),
            ({"temprature": 0}, "temprature", "unknown")]
+
+# OpenAI's own fields that promise what this server does not keep: refused by name, never "unknown".
+UNSUPPORTED = [({"store": True}, "unsupported field 'store': this server does not store completions"),
+               ({"metadata": {"run": "7"}}, "unsupported field 'metadata': this server does not store completions"),
+               ({"service_tier": "priority"}, "unsupported field 'service_tier': this server does not have service "
+                                              "tiers"),
+               ({"service_tier": "flex"}, "unsupported field 'service_tier': this server does not have service tiers")]
+
+
+@pytest.mark.parametrize("extra, words", UNSUPPORTED, ids=[repr(e)[:40] for e, _ in UNSUPPORTED])
+def test_openais_storage_and_tier_fields_are_unsupported_not_unknown(extra, words):
+    """store: true, a non-empty metadata and a service tier other than auto/default are OpenAI API fields the
+    server cannot honour (it keeps no completion, has one tier): a 400 naming the field as unsupported, on
+    both endpoints. Before: accepted and silently dropped, and earlier still called "unknown"."""
+    (name,) = extra
+    for parse, base in ((parse_chat, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+                        (parse_completion, {"model": "m", "prompt": "hi"})):
+        with pytest.raises(ApiError) as err:
+            parse({**base, **extra}, 16)
+        assert (err.value.status, err.value.param) == (400, name), err.value.message
+        assert err.value.message.startswith(words) and "unknown" not in err.value.message, err.value.message
+
+
+def test_a_made_up_field_is_still_unknown():
+    """Only a field neither OpenAI's API nor vLLM defines gets the unknown-field error, on both endpoints."""
+    for parse, base in ((parse_chat, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+                        (parse_completion, {"model": "m", "prompt": "hi"})):
+        with pytest.raises(ApiError) as err:
+            parse({**base, "storre": True}, 16)
+        assert (err.value.status, err.value.param) == (400, "storre")
+        assert err.value.message == "unknown field 'storre': neither OpenAI's API nor vLLM defines it"
 
 
 @pytest.mark.parametrize("extra, param, words", REFUSED, ids=[p for _, p, _ in REFUSED])

@@ -2,10 +2,11 @@
 
 Every bad value becomes an ApiError naming its field, which the app turns into OpenAI's error object. Each
 field a client may send (OpenAI's API, and the vLLM extensions real clients send) is in one group below:
-IMPLEMENTED does what the API says; IGNORED changes nothing the server returns (bookkeeping, routing and
-caching hints), so any value is accepted; NEUTRAL would change the output and the server cannot do it, so
-it is refused by name unless given its do-nothing value (logprobs: false, a penalty of 0). Only a field in
-no group is "unknown": no version of the API nor vLLM defines it, so it is most likely a typo.
+IMPLEMENTED does what the API says; IGNORED changes nothing the server returns or promises (who asks,
+caching hints), so any value is accepted; NEUTRAL asks for something the server cannot do (log-probabilities,
+tools, a penalty, a stored completion, a service tier), so it is refused by name ("unsupported field") unless
+given its do-nothing value (logprobs: false, a penalty of 0, store: false). Only a field in no group is
+"unknown": neither OpenAI's API nor vLLM defines it, so it is most likely a typo.
 """
 from __future__ import annotations
 
@@ -22,17 +23,18 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}  # continuous_usage_stats: vLLM's, usage on every chunk
-# IGNORED, whatever their value: who asks (user, safety_identifier, metadata), what OpenAI keeps or bills
-# (store, service_tier), how fast an answer may come (prompt_cache_*, prediction: the output is the same).
-# spaces_between_special_tokens (vLLM) only matters for special tokens in the text, and this server never
-# shows them.
-IGNORED = {"user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_key",
-           "prompt_cache_retention", "prompt_cache_options", "prediction", "spaces_between_special_tokens"}
+# IGNORED, whatever their value: who asks (user, safety_identifier), how fast an answer may come
+# (prompt_cache_*, prediction: the output is the same). spaces_between_special_tokens (vLLM) only matters for
+# special tokens in the text, and this server never shows them.
+IGNORED = {"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+           "prediction", "spaces_between_special_tokens"}
 # include_obfuscation pads each chunk with a random string hiding its size on the wire; OpenAI sends it
 # unless told not to, and no client reads it, so either value is accepted and no padding is sent.
 IGNORED_STREAM_OPTIONS = {"include_obfuscation"}
-# NEUTRAL: would change the output, so refused unless given the value that asks for nothing. OpenAI's first,
-# then vLLM's extensions. reasoning_effort: a Qwen3 template thinks or not by chat_template_kwargs.
+# NEUTRAL: asks for something this server cannot do, so refused unless given the value that asks for nothing.
+# OpenAI's first, then vLLM's extensions. reasoning_effort: a Qwen3 template thinks or not by
+# chat_template_kwargs. store, metadata and service_tier change no token, but promise what this server does
+# not keep: a completion stored for later retrieval (metadata tags a stored one), a tier billed and reported.
 NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
            "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
            "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
@@ -42,8 +44,14 @@ NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penal
            "min_tokens": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0), "length_penalty": (None, 1),
            "use_beam_search": (None, False), "skip_special_tokens": (None, True),
            "include_stop_str_in_output": (None, False), "add_generation_prompt": (None, True),
-           "continue_final_message": (None, False), "truncate_prompt_tokens": (None,)}
-NEUTRAL_HINTS = {"reasoning_effort": ": pass chat_template_kwargs {\"enable_thinking\": false} to turn thinking off"}
+           "continue_final_message": (None, False), "truncate_prompt_tokens": (None,),
+           "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default")}
+# What the refusal says the server does not do, where "implement it" says too little.
+NEUTRAL_REASONS = {
+    "reasoning_effort": "implement it: pass chat_template_kwargs {\"enable_thinking\": false} to turn thinking off",
+    "store": "store completions (send false, or leave it out)",
+    "metadata": "store completions to attach metadata to (send {}, or leave it out)",
+    "service_tier": "have service tiers (send \"auto\" or \"default\", or leave it out)"}
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -100,7 +108,8 @@ def check_fields(body: dict, allowed: set[str]) -> None:
             continue
         if name in NEUTRAL:
             if not neutral(value, NEUTRAL[name]):
-                raise ApiError(400, f"{name} is not supported by this server{NEUTRAL_HINTS.get(name, '')}", name)
+                raise ApiError(400, f"unsupported field {name!r}: this server does not "
+                                    f"{NEUTRAL_REASONS.get(name, 'implement it')}", name)
         elif name in COMPLETION_FIELDS | CHAT_FIELDS:  # the other endpoint's field
             raise ApiError(400, f"{name} is not a field of this endpoint", name)
         else:
