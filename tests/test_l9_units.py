@@ -916,6 +916,36 @@ def test_abort_frees_a_running_requests_blocks(token_bytes):
     assert loop.metrics.registry.get_sample_value("paged_requests_finished_total", {"reason": "abort"}) == 1
 
 
+def test_finishes_are_counted_per_choice_whether_they_end_or_are_aborted(token_bytes):
+    """paged_requests_finished_total counts choices: an n = 2 request that runs to max_tokens adds 2 under
+    "length", and an n = 2 request aborted mid-decode adds 2 under "abort" (before: 1, one per request, while
+    stop and length counted one per choice, so the reasons could not be compared or summed)."""
+    loop = make_loop(token_bytes)
+
+    async def main():
+        loop.start()
+        aio = asyncio.get_running_loop()
+        done, doomed = Subscriber(aio), Subscriber(aio)
+        loop.submit([4, 5], completion([4, 5], max_tokens=4, temperature=1.0, seed=3, n=2), done)
+        doomed_id = loop.submit([6, 7], completion([6, 7], max_tokens=1000, temperature=1.0, seed=4, n=2), doomed)
+        ends = await events_until_end(done)
+        got = 0
+        while got < 2:  # both choices decode: neither has a finish of its own when the client leaves
+            got += isinstance(await asyncio.wait_for(doomed.events.get(), TIMEOUT), Delta)
+        loop.abort(doomed_id)
+        after = Subscriber(aio)
+        loop.submit([9], completion([9], max_tokens=1, temperature=0), after)  # handled after the abort
+        await events_until_end(after)
+        return ends
+
+    ends = run_async(main, loop)
+    assert ends[-1] == Finished(2, 8)
+    count = loop.metrics.registry.get_sample_value
+    assert count("paged_requests_finished_total", {"reason": "length"}) == 2 + 1
+    assert count("paged_requests_finished_total", {"reason": "abort"}) == 2
+    check_idle_pool(loop.engine)
+
+
 def test_max_waiting_refuses_with_429_then_takes_more_once_drained(token_bytes):
     """max_waiting 2, engine thread not started yet: two submissions are queued, the third is a 429
     (rate_limit_error, nothing queued); once started, both finish, nothing is waiting, and a new one is

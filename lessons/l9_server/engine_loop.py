@@ -381,6 +381,9 @@ class EngineLoop:
         job = self.jobs.pop(request_id)
         if reason == "abort":
             self.engine.abort([c.seq for c in job.choices])
-            self.metrics.requests.labels("abort").inc()
+            # A finish is counted per choice, as _emit counts stop and length: the choices this abort ends
+            unfinished = sum(c.finish_reason is None for c in job.choices)
+            if unfinished:
+                self.metrics.requests.labels("abort").inc(unfinished)
         for choice in job.choices:
             self.engine.forget(choice.seq.seq_id)

@@ -31,8 +31,11 @@ class ServerMetrics:
         self.hit_rate = gauge("prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache.")
         self.preemptions = Counter(PREFIX + "preemptions", "Requests evicted to make room (recomputed later).",
                                    registry=r)
-        self.requests = Counter(PREFIX + "requests_finished", "Requests ended, by finish reason.", ["reason"],
-                                registry=r)
+        # Per choice, not per request: a request with n choices adds n, each under the reason that ended that
+        # choice (its own stop or length, or the abort of a request whose client left before it finished).
+        self.requests = Counter(PREFIX + "requests_finished", "Choices ended (n per request of n choices), by "
+                                "finish reason: stop, length, or abort (the client left before it finished).",
+                                ["reason"], registry=r)
         self.slow_readers = Counter(PREFIX + "slow_readers", "Streams cut (their requests aborted) because the client "
                                     "fell too far behind.", registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before reaching the engine.",
