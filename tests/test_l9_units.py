@@ -28,6 +28,7 @@ import pytest
 from fake_runner import FakeChunkRunner, decode_k, decode_v, fake_model, reference
 from lessons.l4_continuous.sampling import SamplingParams
 from lessons.l4_continuous.sequence import Status
+from lessons.l8_chunked_prefill.engine import L8Engine
 from lessons.l9_server.detokenizer import IncrementalDetokenizer, TokenBytes
 from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, Failed, Finished, Subscriber
@@ -720,6 +721,14 @@ def test_random_submits_aborts_and_steps_leak_nothing(seeds):
         for state, k in random_abort_run(seed).items():
             totals[state] = totals.get(state, 0) + k
     assert set(totals) == {"waiting", "mid-prompt", "decoding", "unforked parent"}, totals
+
+
+def test_l9_engine_changes_three_methods_of_l8s():
+    """docs/l9_server.md says L9Engine adds abort and forget, overrides step, and changes nothing else of L8's
+    engine: a fourth method (or attribute) here must be named there too."""
+    own = {name for name in vars(L9Engine) if not (name.startswith("__") and name.endswith("__"))}
+    assert own == {"abort", "forget", "step"}, own
+    assert hasattr(L8Engine, "step") and not hasattr(L8Engine, "abort") and not hasattr(L8Engine, "forget")
 
 
 def test_forget_drops_only_that_requests_records():

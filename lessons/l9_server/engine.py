@@ -1,4 +1,5 @@
-"""L9's engine: L8's, plus abort. A server's requests can leave at any moment, not only when they finish."""
+"""L9's engine: L8's, plus abort and forget, and a step that keeps bounded histories. A server's requests can
+leave at any moment, not only when they finish, and the server runs for days."""
 from __future__ import annotations
 
 from lessons.l4_continuous.sequence import Status
