@@ -5,6 +5,8 @@ asyncio loop in the test.
 - Detokenizer: many seeded random id sequences (biased towards tokens that hold half a character), fed one
   at a time and in random groups, give exactly the tokenizer's own decode(skip_special_tokens=True); a
   character split across tokens is held back, then released whole; an unfinished one flushes to U+FFFD.
+  The general offset method gives the same text, and on a SentencePiece-style tokenizer the same deltas as
+  HF's DecodeStream, where decoding each token alone loses spaces.
 - Stop strings: every way of cutting a text into three pieces releases exactly the text before the stop
   string; random texts over a 3-letter alphabet against a one-line oracle; nothing after a stop, ever.
 - Protocol: every refusal names its field and status; do-nothing values of unimplemented fields pass.
@@ -24,17 +26,20 @@ import itertools
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers
+from tokenizers.decoders import DecodeStream
 
 from fake_runner import FakeChunkRunner, decode_k, decode_v, fake_model, reference
 from lessons.l4_continuous.sampling import SamplingParams
 from lessons.l4_continuous.sequence import Status
 from lessons.l8_chunked_prefill.engine import L8Engine
-from lessons.l9_server.detokenizer import IncrementalDetokenizer, TokenBytes
+from lessons.l9_server.detokenizer import IncrementalDetokenizer, OffsetDetokenizer, TokenBytes
 from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, Failed, Finished, Subscriber
 from lessons.l9_server.metrics import ServerMetrics
 from lessons.l9_server.protocol import ApiError, parse_chat, parse_completion
 from lessons.l9_server.stop_strings import StopStringMatcher
+from shared.errors import CourseError
 from shared.generation import StopRule
 
 IM_END, ENDOFTEXT = 151645, 151643
@@ -166,6 +171,62 @@ def test_special_tokens_and_padded_ids_add_no_text(tokenizer, token_bytes):
     assert d.push([ENDOFTEXT, 151900]) == ""
     assert d.push(there) + d.flush() == " there"
     assert tokenizer.decode(hi + [IM_END, ENDOFTEXT] + there, skip_special_tokens=True) == "Hi there"
+
+
+
+def test_the_offset_method_matches_the_byte_shortcut(tokenizer, token_bytes, fragments):
+    """OffsetDetokenizer (the general method: decode a window, release what it added, hold while it ends in
+    U+FFFD) on 300 seeded sequences as above, fed in random groups after a prompt of real text: joined and
+    flushed, it equals decode(skip_special_tokens=True) of the output, as IncrementalDetokenizer does."""
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = []
+        for _ in range(rng.randint(1, 8)):
+            kind = rng.random()
+            if kind < 0.6:
+                ids += tokenizer.encode("".join(rng.choice(MULTIBYTE + "ab ") for _ in range(rng.randint(1, 6)))).ids
+            else:
+                ids.append(rng.choice(fragments) if kind < 0.8 else rng.randrange(151936))
+        prompt = tokenizer.encode("".join(rng.choice(MULTIBYTE + "ab ") for _ in range(rng.randint(0, 9)))).ids
+        d, out, i = OffsetDetokenizer(tokenizer, prompt), [], 0
+        while i < len(ids):
+            size = rng.randint(1, 3)
+            out.append(d.push(ids[i:i + size]))
+            i += size
+        want = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(out) + d.flush() == want == stream(token_bytes, ids, itertools.repeat(1))[0], (prompt, ids)
+
+
+def sentencepiece_style(pieces: list[str]) -> Tokenizer:
+    """A toy tokenizer laid out as Llama 2's and Mistral's tokenizer.json: "▁" for a space (one prepended),
+    single pieces scored by a unigram model, <0xNN> byte-fallback tokens for anything else, and the decoder
+    that turns "▁" back into spaces, fuses byte tokens into characters and strips one leading space."""
+    vocab = [("<unk>", 0.0)] + [(p, -1.0) for p in pieces] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def test_sentencepiece_needs_the_window_not_one_token_at_a_time():
+    """On a SentencePiece-style tokenizer, each token decoded alone loses its leading space ("▁world" is
+    "world") and a byte-fallback piece of 🚀 is U+FFFD: joined, "Helloworld" and four U+FFFD. The offset
+    method releases "Hello", " world", " ", nothing three times, "🚀": HF's DecodeStream releases the same.
+    The byte shortcut refuses such a tokenizer rather than print wrong text."""
+    tok = sentencepiece_style(["▁Hello", "▁world", "▁"])
+    ids = tok.encode("Hello world 🚀").ids
+    assert tok.encode("Hello world 🚀").tokens == ["▁Hello", "▁world", "▁", "<0xF0>", "<0x9F>", "<0x9A>", "<0x80>"]
+    assert "".join(tok.decode([t]) for t in ids) == "Helloworld" + "\ufffd" * 4
+    d = OffsetDetokenizer(tok)
+    want = ["Hello", " world", " ", "", "", "", "🚀"]
+    assert [d.push([t]) for t in ids] == want and d.flush() == ""
+    stream_ = DecodeStream(skip_special_tokens=True)
+    assert [stream_.step(tok, t) or "" for t in ids] == want
+    with pytest.raises(CourseError, match="not byte-level BPE"):
+        TokenBytes(tok)
+    after = OffsetDetokenizer(tok, tok.encode("Hello").ids)  # a prompt's last tokens keep the first space
+    assert after.push(tok.encode("world").ids[:1]) == " world"
 
 
 # --- stop strings ---

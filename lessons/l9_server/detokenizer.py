@@ -7,6 +7,11 @@ Python's incremental UTF-8 decoder, which returns only complete characters and k
 unfinished one until the token that completes it arrives.
 
 Special tokens (<|im_end|>, <|endoftext|>) add no text, as with HF's decode(skip_special_tokens=True).
+
+OffsetDetokenizer is the general method, for any tokenizer, and the reference the byte shortcut is tested
+against: decode a window of recent tokens with the tokenizer's own decoder, release only the text the newest
+tokens added, and hold while it ends in U+FFFD (vLLM's detokenize_incrementally, from HF's TGI). It costs a
+decode of the window per step; the server uses IncrementalDetokenizer, which reads each token's bytes once.
 """
 from __future__ import annotations
 
@@ -79,3 +84,41 @@ class IncrementalDetokenizer:
     def held(self) -> bytes:
         """Bytes of a character still waiting for its last bytes."""
         return self.utf8.getstate()[0]
+
+
+PREFIX_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's initial offset)
+
+
+class OffsetDetokenizer:
+    """Incremental detokenization by prefix and read offsets, for any tokenizer.
+
+    `ids[prefix_offset:read_offset]` is context already released, decoded again only so that the decoder sees
+    what precedes the new tokens: SentencePiece's decoder drops the leading space of whatever it decodes
+    ("▁world" alone is "world"), and its byte-fallback tokens (<0xF0>) decode alone to U+FFFD. The new text
+    is the window's decode minus the context's; it is held while it does not grow or ends in U+FFFD (a
+    character still missing bytes), and once released both offsets move up."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)[-PREFIX_TOKENS:]  # context for the first output token, never released
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character still waiting for its last bytes
+        del self.ids[:self.prefix_offset]  # the window never grows past what the next decode needs
+        self.prefix_offset, self.read_offset = self.read_offset - self.prefix_offset, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end of the output: text held back (an unfinished character, as U+FFFD) is released."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""
