@@ -290,18 +290,14 @@ def settings(args) -> None:
         raise CourseError(f"--budgets {args.budgets!r}: use comma-separated integers")
     if any(b < 1 for b in args.budgets):
         raise CourseError(f"--budgets: every budget must be at least 1, got {args.budgets}")
-    for name in ("shorts", "repeats", "block_size"):
-        if getattr(args, name) < 1:
-            raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.longs < 0:
-        raise CourseError(f"--longs must be at least 0, got {args.longs}")
-    if args.late_shorts < 0:
-        raise CourseError(f"--late-shorts must be at least 0, got {args.late_shorts}")
+    for name, least in (("shorts", 1), ("repeats", 1), ("block_size", 1), ("longs", 0), ("late_shorts", 0),
+                        ("threads", 1)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise CourseError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     check_long_prefills(args.max_long_prefills, args.long_prefill_threshold)
     if not 1 <= args.long_len[0] <= args.long_len[1]:
         raise CourseError(f"--long-len needs 1 <= MIN <= MAX, got {args.long_len[0]} {args.long_len[1]}")
-    if args.threads is not None and args.threads < 1:
-        raise CourseError(f"--threads must be at least 1, got {args.threads}")
     if not args.no_png:
         try:
             import matplotlib  # noqa: F401  (fail before the run, not after it)
