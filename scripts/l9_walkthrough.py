@@ -6,6 +6,10 @@
    receives them from the engine. Per token: its id, its bytes, the text released, the bytes held back.
 2. Stop strings across tokens: the same pieces go through the stop-string matcher with STOP; per piece,
    what is released and what is held, until the stop string is found.
+3. The general method, for any tokenizer (lessons/l9_server/detokenizer.py's OffsetDetokenizer): the same
+   tokens; per token, the window decoded and what it released.
+4. Why the window: a SentencePiece-style tokenizer (Llama 2's decoder pipeline, a toy vocabulary), where a
+   token decoded alone loses its leading space, beside the offset method and HF's DecodeStream.
 No model runs: the tokens come from the tokenizer, so the example is exact and instant.
 """
 from __future__ import annotations
@@ -15,7 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lessons.l9_server.detokenizer import IncrementalDetokenizer, TokenBytes  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, normalizers  # noqa: E402
+from tokenizers.decoders import DecodeStream  # noqa: E402
+
+from lessons.l9_server.detokenizer import IncrementalDetokenizer, OffsetDetokenizer, TokenBytes  # noqa: E402
 from lessons.l9_server.stop_strings import StopStringMatcher  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
@@ -23,6 +30,19 @@ from shared.tokenizer import load_tokenizer  # noqa: E402
 
 TEXT = "Lift-off 🚀 at 東京. END"
 STOP = "at 東"
+SP_TEXT, SP_PIECES = "Hello world 🚀", ["▁Hello", "▁world", "▁"]
+
+
+def sentencepiece_style(pieces: list[str]) -> Tokenizer:
+    """A toy laid out as Llama 2's tokenizer.json: "▁" for a space (one prepended), unigram pieces,
+    <0xNN> byte-fallback tokens for the rest, and a decoder that turns "▁" into spaces, fuses byte tokens
+    into characters and strips one leading space (the same toy as tests/test_l9_units.py's)."""
+    vocab = [("<unk>", 0.0)] + [(p, -1.0) for p in pieces] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
 
 
 def main() -> None:
@@ -58,6 +78,27 @@ def main() -> None:
         released.append(matcher.flush())
         print(f"end of output: the held text {released[-1]!r} is released (no stop string)")
     print(f"the client sees: {''.join(released)!r}")
+
+    print("\n3. the offset method on the same tokens: decode ids[prefix:], release what ids[read:] added")
+    print(f"{'token':>7}  {'prefix:read':<12} {'window decoded':<18} released")
+    offsets, pieces = OffsetDetokenizer(tokenizer), []
+    for token in ids:
+        where = f"{offsets.dropped + offsets.prefix_offset}:{offsets.dropped + offsets.read_offset}"
+        window = tokenizer.decode(offsets.ids[offsets.prefix_offset:] + [token], skip_special_tokens=True)
+        pieces.append(offsets.push([token]))
+        print(f"{token:>7}  {where:<12} {window!r:<18} {pieces[-1]!r}")
+    print(f"joined: {''.join(pieces) + offsets.flush()!r}")
+
+    sp = sentencepiece_style(SP_PIECES)
+    encoding = sp.encode(SP_TEXT)
+    print(f"\n4. a SentencePiece-style tokenizer, {SP_TEXT!r}: {len(encoding.ids)} tokens")
+    print(f"{'token':<10} {'decoded alone':<14} {'offset method':<14} DecodeStream")
+    offsets, stream, alone, released = OffsetDetokenizer(sp), DecodeStream(skip_special_tokens=True), [], []
+    for piece, token in zip(encoding.tokens, encoding.ids):
+        alone.append(sp.decode([token]))
+        released.append(offsets.push([token]))
+        print(f"{piece!r:<10} {alone[-1]!r:<14} {released[-1]!r:<14} {stream.step(sp, token)!r}")
+    print(f"joined: alone {''.join(alone)!r}, offset method {''.join(released) + offsets.flush()!r}")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ class OffsetDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids)[-PREFIX_TOKENS:]  # context for the first output token, never released
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.prefix_offset, self.read_offset = 0, len(self.ids)  # into self.ids
+        self.dropped = 0  # ids dropped from the front of self.ids: offsets into the whole stream add it
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -113,6 +114,7 @@ class OffsetDetokenizer:
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
             return ""  # nothing new yet, or a character still waiting for its last bytes
         del self.ids[:self.prefix_offset]  # the window never grows past what the next decode needs
+        self.dropped += self.prefix_offset
         self.prefix_offset, self.read_offset = self.read_offset - self.prefix_offset, len(self.ids)
         return text[len(prefix):]
 
