@@ -1,7 +1,8 @@
 """What GET /metrics shows, in Prometheus' text format: the engine's queues and pool, and its latencies.
 
-The engine thread writes every value (after each step, and as it emits tokens); the HTTP handler only
-renders them. prometheus_client's metrics are thread-safe, so no lock of ours is needed. Each server owns
+The engine thread writes the engine's values (after each step, and as it emits tokens); the HTTP handlers
+count what they refuse and the slow readers they cut, and render the rest. prometheus_client's metrics are
+thread-safe, so no lock of ours is needed. Each server owns
 its registry, so two servers in one process (tests) never mix their numbers.
 """
 from __future__ import annotations
