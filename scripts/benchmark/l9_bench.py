@@ -7,45 +7,25 @@ load, one invocation.
         [--model DIR] [--json PATH]
     OMP_NUM_THREADS=1 python scripts/benchmark/l9_bench.py --curve [--png PATH]
 
-Each server runs as a child process on a free loopback port, with OMP_NUM_THREADS=--threads, one at a time
-(ours first, then HF's; never both: on a 2-core machine they would take each other's cores). The bench waits
-until it answers (ours prints `serving NAME at URL`; HF's answers GET /health), warms it up with a few short
-requests (HF's server builds its batching engine on its first request, which takes seconds), then sends the
-same load at each concurrency with scripts/load.py's client, and stops it with SIGTERM (killed if it has not
-exited 30 s later). HF's server gets a temporary HF_HOME whose hub/ exists (its GET /v1/models scans it, and
-fails without it) and is addressed by the model directory's path, the only name it answers to.
+Each server runs as a child process with OMP_NUM_THREADS=--threads, one at a time (ours, then HF's: on 2 cores
+both at once would take each other's cores); it is warmed up with a few short requests (HF's builds its batching
+engine on its first), sent the same seeded load at each concurrency through scripts/load.py's client, and stopped
+with SIGTERM. The load: --num-requests chat completions released at once, prompts of --input-len words, exactly
+--output-len tokens each (greedy, end-of-sequence ignored: HF's server takes that as a generation config with
+eos_token_id -1). Every request's output tokens (usage) must equal its max_tokens and prompt tokens must agree
+between the servers, else exit status 1; texts are compared for information only. Our pool fits every request
+of the largest concurrency at once (--num-blocks overrides); HF's keeps its defaults (--hf-args).
 
-The load (seeded, the same for both servers and every concurrency): --num-requests chat completions (default)
-released at once, prompts of --input-len words, each asking for exactly its --output-len tokens, greedy, with
-end-of-sequence ignored so both servers produce every token. HF's server rejects the `ignore_eos` field (422),
-so it gets a generation config with eos_token_id -1 instead. The bench checks the counts both servers report
-(usage): every request's output tokens must equal its max_tokens, and prompt tokens must agree between the
-servers; a mismatch is reported and the exit status is 1. The texts are compared too, for information only:
-batching changes floating-point sums, so two correct servers may part ways after a near tie, and the servers
-render some tokens differently (HF's streams special tokens' text; ours flushes a character cut off by max_tokens
-as U+FFFD).
-
-Our server's pool is sized so every request of the largest concurrency fits at once (--num-blocks overrides
-it); HF's server keeps its own defaults (--hf-args passes its --cb-* options).
-
-Reported per concurrency, ours and HF's side by side with the ratio ours / HF: request and output-token
-throughput, TTFT p50/p99, TPOT p50/p99, ITL p50/p99 and E2EL p50; with the thread count and load average.
-Target (a benchmark, not a test): at every concurrency, at least 2x HF's output-token throughput with a lower
-p99 TTFT.
-
---curve measures throughput against concurrency instead: 1, 2, 4, ... 64 clients, max(16, 2 x concurrency)
-requests at each (--num-requests overrides), outputs of 16-32 tokens unless --output-len says otherwise,
-both servers through every level (ours first, then HF's, as above). It prints each server's output tok/s
-and p99 TTFT per level, and where each saturates: the fewest clients that reach 90% of its best
-throughput. --png PATH draws both curves. About 4 minutes on this course's 2-core machine; few requests a
-level, so the ramp-up and the drain weigh on each point (the same on both servers). The default run (64 requests at concurrency 8 and 32) takes about 80 s on one thread of this
-course's 2-core machine, --quick (16 requests at 4 and 8) about 45 s; half of either is starting and warming
-up the servers (HF's builds its batching engine on its first request: about 10 s).
+Reported per concurrency with the ratio ours / HF: request and output-token throughput, TTFT, TPOT, ITL p50/p99,
+E2EL p50, then the conditions line (the backend our server's log names). Target (a benchmark, not a test): at
+every concurrency, at least 2x HF's output-token throughput with a lower p99 TTFT. --curve: 1, 2, 4 ... 64
+clients, max(16, 2 x clients) requests each, outputs of 16-32 tokens, and where each server saturates (the
+fewest clients reaching 90% of its best); --png draws it.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
 import math
 import os
 import re
@@ -60,18 +40,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark's own modules
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness
 sys.path.insert(0, str(ROOT / "scripts"))  # load.py
 sys.path.insert(0, str(ROOT))
-import bench_conditions  # noqa: E402
+import harness  # noqa: E402
 from load import LoadError, LoadResult, LoadSpec, parse_range, result_json, run_load, summarize  # noqa: E402
-from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.cli import OneLineParser, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
@@ -85,8 +62,17 @@ BLOCK_SIZE = 16
 CHAT_OVERHEAD = 16  # tokens a chat template adds around one user message, with room to spare
 WARMUP = LoadSpec(num_requests=4, concurrency=4, input_len=(16, 48), output_len=(8, 8), seed=12345)
 BANNER = re.compile(r"^serving (\S+) at (http://\S+/v1)\s*$", re.M)
+BACKEND_LINE = re.compile(r"^(?:.*\s)?backend[ :=]+([\w.-]+)", re.M)  # serve.py's startup line naming its backend
 THROUGHPUT_TARGET = 2.0
 STOP_GRACE_S = 30.0
+NAMES = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching"}
+COLUMNS = [  # (label, summary path, higher is better)
+    ("req/s", ("request_throughput",), True), ("output tok/s", ("output_throughput",), True),
+    ("TTFT p50", ("ttft_ms", "p50"), False), ("TTFT p99", ("ttft_ms", "p99"), False),
+    ("TPOT p50", ("tpot_ms", "p50"), False), ("TPOT p99", ("tpot_ms", "p99"), False),
+    ("ITL p50", ("itl_ms", "p50"), False), ("ITL p99", ("itl_ms", "p99"), False),
+    ("E2EL p50", ("e2el_ms", "p50"), False),
+]
 
 
 class BenchError(Exception):
@@ -95,24 +81,21 @@ class BenchError(Exception):
 
 # ----- the servers -----
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """A server as a child process: its output goes to a temporary log, read back for the banner and to explain
-    a failure."""
+    """A server as a child process, its output in a temporary log: read back for the banner (ours), the backend
+    it names, and to explain a failure. ServerProcess (L9's tests) starts serve.py only; this one starts HF's too."""
 
-    def __init__(self, label: str, cmd: list[str], env: dict, model: str, url: str | None = None):
+    def __init__(self, label: str, cmd: list[str], env: dict, model: str = "", url: str | None = None):
         self.label, self.cmd, self.env, self.model, self.url = label, cmd, env, model, url
         self.log = tempfile.NamedTemporaryFile(mode="w+", prefix=f"l9_bench_{label}_", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
-    def log_tail(self, lines: int = 12) -> str:
-        text = Path(self.log.name).read_text(errors="replace").strip().splitlines()
-        return "\n    ".join(text[-lines:]) or "(empty log)"
+    def text(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def fail(self, why: str) -> BenchError:
+        tail = "\n    ".join(self.text().strip().splitlines()[-12:]) or "(empty log)"
+        return BenchError(f"{self.label} {why}; its log ({self.log.name}):\n    {tail}")
 
     def start(self, deadline_s: float) -> None:
         """Start and wait until it answers: the banner (ours), or GET /health answering 200 (HF's)."""
@@ -121,18 +104,16 @@ class Server:
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BenchError(f"{self.label} exited with status {self.proc.returncode} before answering; its "
-                                 f"log ({self.log.name}):\n    {self.log_tail()}")
+                raise self.fail(f"exited with status {self.proc.returncode} before answering")
             if self.ready():
                 return
             time.sleep(0.25)
         self.stop()
-        raise BenchError(f"{self.label} did not answer within {deadline_s:.0f} s; its log ({self.log.name}):\n"
-                         f"    {self.log_tail()}")
+        raise self.fail(f"did not answer within {deadline_s:.0f} s")
 
     def ready(self) -> bool:
         if self.url is None:  # ours: the banner says where, once it answers
-            match = BANNER.search(Path(self.log.name).read_text(errors="replace"))
+            match = BANNER.search(self.text())
             if match:
                 self.model, self.url = match.groups()
             return match is not None
@@ -143,21 +124,18 @@ class Server:
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after STOP_GRACE_S; the exit status (negative: the signal that ended it)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.returncode
+        return None if self.proc is None else self.proc.returncode
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise BenchError(f"{self.label} died (exit status {self.proc.returncode}); its log ({self.log.name}):\n"
-                             f"    {self.log_tail()}")
+            raise self.fail(f"died (exit status {self.proc.returncode})")
 
 
 def server_env(threads: int, **extra: str) -> dict:
@@ -170,19 +148,46 @@ def ours(args, model_dir: Path) -> Server:
            "--num-blocks", str(args.num_blocks)]
     if args.max_batched_tokens is not None:
         cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
-    return Server("ours", cmd + shlex.split(args.ours_args), server_env(args.threads), model="")
+    return Server("ours", cmd + shlex.split(args.ours_args), server_env(args.threads))
 
 
 def hf(args, model_dir: Path, hf_home: Path) -> Server:
-    port = free_port()  # its own --port 0 would not tell us which port it took
+    with socket.socket() as s:  # its own --port 0 would not tell us which port it took
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--continuous-batching", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.hf_args), str(model_dir)]
     return Server("HF", cmd, server_env(args.threads, HF_HOME=str(hf_home)), model=str(model_dir),
                   url=f"http://127.0.0.1:{port}/v1")
 
 
+def our_options(args) -> argparse.Namespace:
+    """The serve.py options --ours-args sets that the conditions line reports (backend, dtype)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--dtype")
+    return p.parse_known_args(shlex.split(args.ours_args))[0]
+
+
+def planned(args, env: dict[str, str], measured_device: str) -> dict[str, str]:
+    """What the conditions line of this command says today (tests/test_doc_measured.py): the servers run on the
+    CPU with --threads torch threads each, ours with the backend and dtype serve.py resolves from --ours-args."""
+    opts = our_options(args)
+    dtype = resolve_dtype(opts.dtype, harness.torch.device("cpu"))
+    backend = harness.resolve_backend(opts.backend, "cpu", dtype) if args.only != "hf" else "hf"
+    return {"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "backend": backend,
+            "threads": str(args.threads)}
+
+
+def server_backend(server: Server, args) -> str:
+    """The backend our server ran: the line its log names it on; else what its options resolve to on this
+    machine (serve.py builds its engine with the same make_backend), marked so."""
+    match = BACKEND_LINE.search(server.text())
+    return match.group(1) if match else planned(args, {}, "cpu")["backend"] + " (resolved, not logged)"
+
+
 def scrape(url: str, name: str) -> float | None:
-    """One value from our server's Prometheus /metrics (None when absent: its names are not this bench's)."""
+    """One value from our server's Prometheus /metrics (None when absent)."""
     try:
         text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=5).text
     except httpx.HTTPError:
@@ -193,71 +198,40 @@ def scrape(url: str, name: str) -> float | None:
 
 # ----- one server's runs -----
 
-def timed_load(spec: LoadSpec, server: Server, console: Console, what: str) -> LoadResult:
-    with Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True,
-                  disable=not console.is_terminal) as progress:  # a log file gets the lines, not the bar
-        task = progress.add_task(what, total=spec.num_requests)
-        return asyncio.run(run_load(spec, server.url, server.model, on_done=lambda r: progress.advance(task)))
-
-
 def measure(server: Server, specs: list[LoadSpec], args, console: Console) -> dict:
-    """Start, warm up, run every spec, stop. {"runs": [(spec, result)], "exit_status", "notes"}."""
+    """Start, warm up, run every spec, stop. {"runs": [LoadResult], "exit_status", "notes", "backend"}."""
     notes: list[str] = []
     t0 = time.perf_counter()
     server.start(args.startup_timeout)
     try:
-        console.print(f"[bold]{server.label}[/]: answering after {time.perf_counter() - t0:.1f} s at {server.url} "
-                      f"(model {server.model})")
+        console.print(f"[bold]{server.label}[/]: answering after {time.perf_counter() - t0:.1f} s at {server.url}")
         warm = replace(WARMUP, endpoint=specs[0].endpoint, ignore_eos=True,
                        ignore_eos_field=specs[0].ignore_eos_field, timeout=specs[0].timeout)
-        t1 = time.perf_counter()
-        w = timed_load(warm, server, console, f"{server.label} warm-up")
-        failed = [r.error for r in w.records if not r.ok]
+        failed = [r.error for r in asyncio.run(run_load(warm, server.url, server.model)).records if not r.ok]
         if failed:
             server.check_alive()
             raise BenchError(f"{server.label} failed its warm-up requests: {failed[0]}")
-        console.print(f"  warm-up: {warm.num_requests} requests in {time.perf_counter() - t1:.1f} s")
         runs = []
         for spec in specs:
             preempted = scrape(server.url, "paged_preemptions_total") if server.label == "ours" else None
-            result = timed_load(spec, server, console, f"{server.label}, concurrency {spec.concurrency}")
+            result = asyncio.run(run_load(spec, server.url, server.model))
             server.check_alive()
-            done = sum(r.ok for r in result.records)
-            console.print(f"  concurrency {spec.concurrency}: {done}/{spec.num_requests} requests in "
-                          f"{result.duration_s:.1f} s")
-            if preempted is not None:
-                after = scrape(server.url, "paged_preemptions_total")
-                if after is not None and after > preempted:
-                    notes.append(f"concurrency {spec.concurrency}: {after - preempted:.0f} preemption(s)")
-            runs.append((spec, result))
+            console.print(f"  concurrency {spec.concurrency}: {sum(r.ok for r in result.records)}/{spec.num_requests}"
+                          f" requests in {result.duration_s:.1f} s")
+            after = scrape(server.url, "paged_preemptions_total") if preempted is not None else None
+            if after is not None and after > preempted:
+                notes.append(f"concurrency {spec.concurrency}: {after - preempted:.0f} preemption(s)")
+            runs.append(result)
+        backend = server_backend(server, args) if server.label == "ours" else None
     finally:
         status = server.stop()
     Path(server.log.name).unlink()  # kept only when something failed, to be read
-    expected = 0 if server.label == "ours" else None  # our contract: SIGTERM ends it with 0
-    if expected is not None and status != expected:
-        notes.append(f"exit status {status} after SIGTERM (expected {expected})")
-    return {"runs": runs, "exit_status": status, "notes": notes}
+    if server.label == "ours" and status != 0:  # our contract: SIGTERM ends it with 0
+        notes.append(f"exit status {status} after SIGTERM (expected 0)")
+    return {"runs": runs, "exit_status": status, "notes": notes, "backend": backend}
 
 
 # ----- the comparison -----
-
-COLUMNS = [  # (label, summary path, unit, higher is better)
-    ("req/s", ("request_throughput",), "", True),
-    ("output tok/s", ("output_throughput",), "", True),
-    ("TTFT p50", ("ttft_ms", "p50"), "ms", False), ("TTFT p99", ("ttft_ms", "p99"), "ms", False),
-    ("TPOT p50", ("tpot_ms", "p50"), "ms", False), ("TPOT p99", ("tpot_ms", "p99"), "ms", False),
-    ("ITL p50", ("itl_ms", "p50"), "ms", False), ("ITL p99", ("itl_ms", "p99"), "ms", False),
-    ("E2EL p50", ("e2el_ms", "p50"), "ms", False),
-]
-
-
-def pick(summary: dict, path: tuple[str, ...]) -> float | None:
-    value = summary
-    for key in path:
-        value = value[key]
-    return value
-
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
@@ -268,54 +242,57 @@ def token_check(spec: LoadSpec, by_server: dict[str, LoadResult]) -> dict:
     same prompt token counts; identical greedy texts are counted for information."""
     problems, same_text, first_diff = [], 0, None
     for label, result in by_server.items():
-        for r in result.records:
-            if r.ok and (r.token_source != "usage" or r.output_tokens != r.max_tokens):
-                problems.append(f"{label}: request {r.index} produced {r.output_tokens} tokens "
-                                f"({r.token_source}), asked for {r.max_tokens}")
+        problems += [f"{label}: request {r.index} produced {r.output_tokens} tokens ({r.token_source}), asked for "
+                     f"{r.max_tokens}" for r in result.records
+                     if r.ok and (r.token_source != "usage" or r.output_tokens != r.max_tokens)]
     if len(by_server) == 2:
         a, b = by_server.values()
-        for x, y in zip(a.records, b.records):
-            if x.ok and y.ok and x.prompt_tokens != y.prompt_tokens:
+        for x, y in ((x, y) for x, y in zip(a.records, b.records) if x.ok and y.ok):
+            if x.prompt_tokens != y.prompt_tokens:
                 problems.append(f"request {x.index}: prompt tokens {x.prompt_tokens} (ours) vs {y.prompt_tokens} (HF)")
-            same_text += x.ok and y.ok and x.text == y.text
-            if x.ok and y.ok and x.text != y.text and first_diff is None:
+            same_text += x.text == y.text
+            if x.text != y.text and first_diff is None:
                 at = len(os.path.commonprefix([x.text, y.text]))
                 first_diff = f"request {x.index} at character {at}: {x.text[at:at + 24]!r} vs {y.text[at:at + 24]!r}"
     return {"problems": problems, "same_text": same_text if len(by_server) == 2 else None,
             "first_text_difference": first_diff, "requests": spec.num_requests}
 
 
+def compare(measured: dict, specs: list[LoadSpec]) -> list[dict]:
+    rows = []
+    for k, spec in enumerate(specs):
+        by_server = {label: m["runs"][k] for label, m in measured.items()}
+        summaries = {label: summarize(r.records, r.duration_s) for label, r in by_server.items()}
+        values = {}
+        for label, s in summaries.items():
+            values[label] = {name: s[path[0]] if len(path) == 1 else s[path[0]][path[1]] for name, path, _ in COLUMNS}
+        row = {"concurrency": spec.concurrency, "servers": values, "summaries": summaries,
+               "tokens": token_check(spec, by_server)}
+        if len(values) == 2:
+            row["ratio"] = {name: ratio(values["ours"][name], values["HF"][name]) for name, _, _ in COLUMNS}
+        rows.append(row)
+    return rows
+
+
 def show(console: Console, rows: list[dict], labels: list[str]) -> None:
-    names = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching"}
-    t = Table(title=" vs ".join(names[label] for label in labels))
-    t.add_column("concurrency", justify="right")
-    t.add_column("server")
-    for name, _, unit, _ in COLUMNS:
-        t.add_column(f"{name}" + (f" ({unit})" if unit else ""), justify="right")
+    cells = []
     for row in rows:
         for label in labels:
-            cells = [str(row["concurrency"]), label]
-            for name, _, _, _ in COLUMNS:
-                value = row["servers"][label][name]
-                cells.append("—" if value is None else f"{value:,.1f}" if value >= 10 else f"{value:,.2f}")
-            t.add_row(*cells)
+            cells.append([str(row["concurrency"]), label] + [harness.fmt(row["servers"][label][name], digits=1)
+                                                            for name, _, _ in COLUMNS])
         if len(labels) == 2:
-            cells = ["", "[bold]ours / HF[/]"]
-            for name, _, _, higher in COLUMNS:
-                x = row["ratio"][name]
-                good = x is not None and (x > 1 if higher else x < 1)
-                cells.append("—" if x is None else f"[{'green' if good else 'red'}]{x:.2f}x[/]")
-            t.add_row(*cells, end_section=True)
-    console.print(t)
+            cells.append(["", "ours / HF"] + [harness.fmt(row["ratio"][name], "x", 2) for name, _, _ in COLUMNS])
+    console.print(harness.table(" vs ".join(NAMES[label] for label in labels), ["concurrency", "server"]
+                                + [name + ("" if name.endswith("/s") else " (ms)") for name, _, _ in COLUMNS], cells))
     if len(labels) == 2:
-        console.print("  ratio ours / HF: throughput higher is better, latencies lower is better (green: ours ahead)")
+        console.print("  ratio ours / HF: throughput higher is better, latencies lower is better")
 
 
 def target(rows: list[dict]) -> dict:
-    per = {row["concurrency"]: {"throughput_x": row["ratio"]["output tok/s"], "ttft_p99_x": row["ratio"]["TTFT p99"]}
-           for row in rows}
-    met = {c: v["throughput_x"] is not None and v["throughput_x"] >= THROUGHPUT_TARGET and v["ttft_p99_x"] is not None
-           and v["ttft_p99_x"] < 1 for c, v in per.items()}
+    per = {row["concurrency"]: {"throughput_x": row["ratio"]["output tok/s"],
+                                "ttft_p99_x": row["ratio"]["TTFT p99"]} for row in rows}
+    met = {c: (v["throughput_x"] or 0) >= THROUGHPUT_TARGET and v["ttft_p99_x"] is not None and v["ttft_p99_x"] < 1
+           for c, v in per.items()}
     return {"met": all(met.values()), "per_concurrency": per, "met_at": [c for c, ok in met.items() if ok]}
 
 
@@ -363,24 +340,16 @@ def settings(args) -> list[LoadSpec]:
         levels = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         raise CourseError(f"--concurrency {args.concurrency!r}: use comma-separated integers") from None
-    if any(c < 1 for c in levels):
-        raise CourseError(f"--concurrency: every level must be at least 1, got {levels}")
-    if args.num_requests is not None and args.num_requests < 1:
-        raise CourseError(f"--num-requests must be at least 1, got {args.num_requests}")
+    for name, values in (("concurrency", levels), ("num_requests", [args.num_requests]), ("threads", [args.threads]),
+                         ("num_blocks", [args.num_blocks]), ("max_batched_tokens", [args.max_batched_tokens])):
+        bad = [v for v in values if v is not None and v < 1]
+        if bad:
+            raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {bad[0]}")
+    if not args.startup_timeout > 0:
+        raise CourseError(f"--startup-timeout must be positive, got {args.startup_timeout}")
     per_level = {c: args.num_requests or (max(CURVE_MIN_REQUESTS, 2 * c) if args.curve else base["num_requests"])
                  for c in levels}
     args.num_requests = args.num_requests or base.get("num_requests")
-    if args.png:
-        try:
-            import matplotlib  # noqa: F401  (fail before the run, not after it)
-        except ImportError:
-            raise CourseError("--png needs matplotlib: pip install matplotlib") from None
-    for name in ("threads", "num_blocks", "max_batched_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if not args.startup_timeout > 0:
-        raise CourseError(f"--startup-timeout must be positive, got {args.startup_timeout}")
     try:
         base_spec = LoadSpec(num_requests=per_level[levels[0]], input_len=parse_range(args.input_len, "input-len"),
                              output_len=parse_range(args.output_len, "output-len"), seed=args.seed,
@@ -388,21 +357,24 @@ def settings(args) -> list[LoadSpec]:
         specs = [replace(base_spec, concurrency=c, num_requests=per_level[c]) for c in levels]
         for spec in specs:
             spec.check()
-        for flag, text in (("--ours-args", args.ours_args), ("--hf-args", args.hf_args)):
-            try:
-                shlex.split(text)
-            except ValueError as e:
-                raise CourseError(f"{flag} {text!r}: {e}") from None
     except LoadError as e:
         raise CourseError(str(e)) from None
+    for flag, text in (("--ours-args", args.ours_args), ("--hf-args", args.hf_args)):
+        try:
+            shlex.split(text)
+        except ValueError as e:
+            raise CourseError(f"{flag} {text!r}: {e}") from None
     if args.num_blocks is None:  # every request of the largest level at once: the run measures scheduling alone
         per_request = math.ceil((base_spec.input_len[1] + CHAT_OVERHEAD + base_spec.output_len[1]) / BLOCK_SIZE)
         args.num_blocks = max(levels) * per_request + 1
-    if args.only != "ours":
+    needed = (["matplotlib"] if args.png else []) + (["fastapi", "uvicorn"] if args.only != "ours" else [])
+    for module in needed:  # fail before the first server, not after the run
         try:
-            import fastapi, uvicorn  # noqa: F401, E401  (HF's server needs both: fail before the first server)
+            __import__(module)
         except ImportError:
-            raise CourseError('HF\'s server needs fastapi and uvicorn: pip install "transformers[serving]"') from None
+            raise CourseError(f"{'--png' if module == 'matplotlib' else 'HF' + chr(39) + 's server'} needs {module}: "
+                              + ("pip install matplotlib" if module == "matplotlib"
+                                 else 'pip install "transformers[serving]"')) from None
     return specs
 
 
@@ -411,57 +383,36 @@ def run(args, specs: list[LoadSpec], model_dir: Path, console: Console) -> dict:
     out = {}
     with tempfile.TemporaryDirectory(prefix="l9_bench_hf_home_") as hf_home:
         (Path(hf_home) / "hub").mkdir()
-        servers = []
         if args.only != "hf":
-            servers.append(ours(args, model_dir))
-        if args.only != "ours":
-            servers.append(hf(args, model_dir, Path(hf_home)))
-        for server in servers:
-            server_specs = specs
-            if server.label == "HF":  # transformers serve rejects ignore_eos: the same request, its own spelling
-                server_specs = [replace(s, ignore_eos_field="generation_config") for s in specs]
-            out[server.label] = measure(server, server_specs, args, console)
+            out["ours"] = measure(ours(args, model_dir), specs, args, console)
+        if args.only != "ours":  # transformers serve rejects ignore_eos: the same request, its own spelling
+            hf_specs = [replace(s, ignore_eos_field="generation_config") for s in specs]
+            out["HF"] = measure(hf(args, model_dir, Path(hf_home)), hf_specs, args, console)
     return out
-
-
-def compare(measured: dict, specs: list[LoadSpec]) -> list[dict]:
-    rows = []
-    for k, spec in enumerate(specs):
-        by_server = {label: m["runs"][k][1] for label, m in measured.items()}
-        summaries = {label: summarize(r.records, r.duration_s) for label, r in by_server.items()}
-        values = {label: {name: pick(s, path) for name, path, _, _ in COLUMNS} for label, s in summaries.items()}
-        row = {"concurrency": spec.concurrency, "servers": values, "summaries": summaries,
-               "tokens": token_check(spec, by_server)}
-        if len(values) == 2:
-            row["ratio"] = {name: ratio(values["ours"][name], values["HF"][name]) for name, _, _, _ in COLUMNS}
-        rows.append(row)
-    return rows
 
 
 def report_checks(console: Console, rows: list[dict], measured: dict) -> bool:
     """Failures, token-count mismatches and notes; True when everything was as asked."""
     clean = True
     for row in rows:
-        c = row["concurrency"]
+        c, tokens = row["concurrency"], row["tokens"]
         for label, s in row["summaries"].items():
             if s["failed"]:
                 clean = False
                 console.print(f"[red]{label}, concurrency {c}: {s['failed']} request(s) failed[/]; the first: "
                               f"{s['first_error']}")
-        tokens = row["tokens"]
         if tokens["problems"]:
             clean = False
             console.print(f"[red]concurrency {c}: {len(tokens['problems'])} token-count mismatch(es)[/]; the first: "
                           f"{tokens['problems'][0]}")
         else:
-            console.print(f"  concurrency {c}: every request produced exactly its max_tokens (usage), on "
-                          + ("the same prompt token counts in both servers" if tokens["same_text"] is not None
-                             else "one server"))
+            console.print(f"  concurrency {c}: every request produced exactly its max_tokens (usage)"
+                          + (", on the same prompt token counts in both servers" if tokens["same_text"] is not None
+                             else ""))
         if tokens["same_text"] is not None:
             diff = tokens["first_text_difference"]
-            console.print(f"  concurrency {c}: greedy texts identical in {tokens['same_text']} of "
-                          f"{tokens['requests']} requests (information)" + (f"; the first difference, ours vs HF: "
-                                                                            f"{diff}" if diff else ""))
+            console.print(f"  concurrency {c}: greedy texts identical in {tokens['same_text']} of {tokens['requests']}"
+                          " requests (information)" + (f"; the first difference, ours vs HF: {diff}" if diff else ""))
     for label, m in measured.items():
         for note in m["notes"]:
             console.print(f"  [yellow]{label}: {note}[/]")
@@ -477,21 +428,19 @@ def main() -> None:
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    torch.set_num_threads(args.threads)  # so bench_conditions reports the servers' thread count
-    conditions = bench_conditions.start()
+    plan = planned(args, {}, "cpu")
+    conditions = harness.start("cpu", plan["dtype"], backend=plan["backend"], threads=args.threads,
+                               code=["scripts/serve.py", "scripts/load.py"])
     spec = specs[0]
-    console.print(f"[bold]L9 server benchmark[/]: {model_dir.name}, cpu, {args.threads} thread(s) per server, "
-                  f"seed {args.seed}")
-    requests = (f"{spec.num_requests}" if len({s.num_requests for s in specs}) == 1
-                else "/".join(str(s.num_requests) for s in specs))
-    console.print(f"  load: {requests} {spec.endpoint} requests at concurrency "
-                  f"{', '.join(str(s.concurrency) for s in specs)}, all released at once; prompts of "
-                  f"{spec.input_len[0]}-{spec.input_len[1]} words, {spec.output_len[0]}-{spec.output_len[1]} output "
-                  f"tokens each (end-of-sequence ignored), greedy")
-    pools = [f"our pool: {args.num_blocks} blocks of {BLOCK_SIZE}"] if args.only != "hf" else []
-    pools += [f"HF's server: its own defaults" + (f" plus {args.hf_args}" if args.hf_args else "")] \
-        if args.only != "ours" else []
-    console.print("  " + "; ".join(pools))
+    conditions.extra.update({"model": model_dir.name, "servers": " then ".join(
+        s for s, skip in (("ours", "hf"), ("HF", "ours")) if args.only != skip), "load": (
+        f"{'/'.join(str(s.num_requests) for s in specs)} {spec.endpoint} requests at once, prompts "
+        f"{spec.input_len[0]}-{spec.input_len[1]} words, outputs {spec.output_len[0]}-{spec.output_len[1]} tokens")})
+    if args.only != "hf":
+        conditions.extra["our pool"] = f"{args.num_blocks} blocks of {BLOCK_SIZE}" + (
+            f", {args.ours_args}" if args.ours_args else "")
+    if args.only != "ours" and args.hf_args:
+        conditions.extra["hf args"] = args.hf_args
     t0 = time.perf_counter()
     try:
         measured = run(args, specs, model_dir, console)
@@ -499,7 +448,8 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
     wall = time.perf_counter() - t0
-    bench_conditions.finish(conditions, console)
+    if "ours" in measured:
+        conditions.backend = measured["ours"]["backend"]
     rows = compare(measured, specs)
     show(console, rows, list(measured))
     clean = report_checks(console, rows, measured)
@@ -507,29 +457,24 @@ def main() -> None:
     if args.curve:
         curve = curve_summary(rows, list(measured))
         show_curve(console, curve, list(measured))
-        if args.png:
-            console.print(f"plot written to {plot_curve(curve, list(measured), Path(args.png), conditions)}")
     elif len(measured) == 2:
         goal = target(rows)
-        per = "; ".join(f"concurrency {c}: throughput {v['throughput_x']:.2f}x, TTFT p99 {v['ttft_p99_x']:.2f}x"
-                        for c, v in goal["per_concurrency"].items()
-                        if v["throughput_x"] is not None and v["ttft_p99_x"] is not None)
-        verdict = "[green]met[/]" if goal["met"] else "[red]not met[/]"
-        console.print(f"target {verdict} (≥ {THROUGHPUT_TARGET:g}x HF's output-token throughput with a lower p99 TTFT "
-                      f"at every concurrency): {per}")
-    report = {"command": " ".join(sys.argv), "machine": f"{bench_conditions.cpu_name()}, "
-              f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "model": str(model_dir),
-              "conditions": conditions, "threads": args.threads, "wall_seconds": wall, "our_num_blocks": args.num_blocks,
-              "hf_args": args.hf_args, "ours_args": args.ours_args,
-              "servers": {label: {"exit_status": m["exit_status"], "notes": m["notes"],
-                                  "runs": [load_json(r) for _, r in m["runs"]]} for label, m in measured.items()},
-              "comparison": [{k: v for k, v in row.items() if k != "summaries"} for row in rows], "target": goal,
-              "curve": curve}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        console.print(f"results written to {args.json}")
+        per = "; ".join(f"concurrency {c}: throughput {harness.fmt(v['throughput_x'], 'x', 2)}, TTFT p99 "
+                        f"{harness.fmt(v['ttft_p99_x'], 'x', 2)}" for c, v in goal["per_concurrency"].items())
+        console.print(f"target {'[green]met[/]' if goal['met'] else '[red]not met[/]'} (≥ {THROUGHPUT_TARGET:g}x HF's "
+                      f"output-token throughput with a lower p99 TTFT at every concurrency): {per}")
     console.print(f"wall time {wall:.0f} s")
+    harness.finish(conditions, console)
+    if args.png:
+        plot_curve(curve, list(measured), Path(args.png), conditions, console)
+    if args.json:
+        harness.write_json(args.json, {
+            "model": str(model_dir), "wall_seconds": wall, "our_num_blocks": args.num_blocks,
+            "servers": {label: {"exit_status": m["exit_status"], "notes": m["notes"], "backend": m["backend"],
+                                "runs": [result_json(r, summarize(r.records, r.duration_s)) for r in m["runs"]]}
+                        for label, m in measured.items()},
+            "comparison": [{k: v for k, v in row.items() if k != "summaries"} for row in rows], "target": goal,
+            "curve": curve}, conditions, console)
     raise SystemExit(0 if clean else 1)
 
 
@@ -549,44 +494,32 @@ def curve_summary(rows: list[dict], labels: list[str]) -> dict:
 
 
 def show_curve(console: Console, curve: dict, labels: list[str]) -> None:
-    t = Table(title="throughput against concurrency")
-    t.add_column("concurrency", justify="right")
-    for label in labels:
-        t.add_column(f"{label} tok/s", justify="right")
-        t.add_column(f"{label} TTFT p99 (ms)", justify="right")
-    if len(labels) == 2:
-        t.add_column("tok/s ours / HF", justify="right")
+    columns = ["clients"] + [f"{label} {what}" for label in labels for what in ("tok/s", "TTFT p99 (ms)")]
+    rows = []
     for k, point in enumerate(curve[labels[0]]["points"]):
-        cells = [str(point["concurrency"])]
         values = [curve[label]["points"][k] for label in labels]
+        cells = [str(point["concurrency"])]
         for v in values:
-            cells += [f"{v['output_tok_s']:,.1f}" if v["output_tok_s"] is not None else "—",
-                      f"{v['ttft_p99_ms']:,.0f}" if v["ttft_p99_ms"] is not None else "—"]
+            cells += [harness.fmt(v["output_tok_s"]), harness.fmt(v["ttft_p99_ms"], digits=0)]
         if len(labels) == 2:
-            x = ratio(values[0]["output_tok_s"], values[1]["output_tok_s"])
-            cells.append("—" if x is None else f"{x:.2f}x")
-        t.add_row(*cells)
-    console.print(t)
+            cells.append(harness.fmt(ratio(values[0]["output_tok_s"], values[1]["output_tok_s"]), "x", 2))
+        rows.append(cells)
+    console.print(harness.table("throughput against concurrency", columns + (["tok/s ours / HF"] if len(labels) == 2
+                                                                             else []), rows))
     for label in labels:
         c = curve[label]
         console.print(f"  {label}: best {c['best_output_tok_s']:,.1f} output tok/s; saturates at {c['saturates_at']} "
                       f"client(s) (the fewest reaching {SATURATED:.0%} of its best)")
 
 
-def plot_curve(curve: dict, labels: list[str], path: Path, conditions: dict) -> Path:
+def plot_curve(curve: dict, labels: list[str], path: Path, conditions: harness.Conditions, console: Console) -> Path:
     """Output tok/s (left) and p99 TTFT (right) against concurrency, one line per server, log2 x-axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching"}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = harness.figure(1, 2, figsize=(11, 4.2))
     for label, color in zip(labels, ("tab:blue", "tab:orange")):
         points = [p for p in curve[label]["points"] if p["output_tok_s"] is not None]
         xs = [p["concurrency"] for p in points]
-        left.plot(xs, [p["output_tok_s"] for p in points], "-o", color=color, label=names[label])
-        right.plot(xs, [p["ttft_p99_ms"] for p in points], "-o", color=color, label=names[label])
+        left.plot(xs, [p["output_tok_s"] for p in points], "-o", color=color, label=NAMES[label])
+        right.plot(xs, [p["ttft_p99_ms"] for p in points], "-o", color=color, label=NAMES[label])
         if curve[label]["saturates_at"] is not None:
             left.axvline(curve[label]["saturates_at"], color=color, ls=":", lw=1)
     levels = [p["concurrency"] for p in curve[labels[0]]["points"]]
@@ -601,17 +534,8 @@ def plot_curve(curve: dict, labels: list[str], path: Path, conditions: dict) -> 
     left.legend(fontsize=8)
     left.set_title("throughput (dotted: where each saturates)", fontsize=9)
     right.set_title("time to first token, p99", fontsize=9)
-    fig.suptitle(f"{conditions['threads']} torch thread(s) per server, {bench_conditions.cpu_name()}, load average "
-                 f"{conditions['load_before']['load1']:.2f} before the run", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def load_json(result: LoadResult) -> dict:
-    return result_json(result, summarize(result.records, result.duration_s))
+    return harness.save_png(fig, path, conditions, console)
 
 
 if __name__ == "__main__":
