@@ -45,10 +45,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmark"))
 
+import harness  # noqa: E402  (percentiles and tables shared with the benchmarks)
 from shared.cli import OneLineParser  # noqa: E402
 
 ENDPOINTS = ("chat", "completions")
@@ -313,16 +313,10 @@ async def discover_model(url: str, api_key: str = "EMPTY", timeout: float = 10.0
 
 # ----- the numbers -----
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the two nearest ranks (numpy's default, as l8_bench's), None for no values."""
-    return float(np.percentile(values, q)) if values else None
-
-
 def stats_ms(values_s: list[float]) -> dict:
     """mean, p50, p90, p99 of seconds, in milliseconds (None each when there are no values)."""
     ms = [v * 1e3 for v in values_s]
-    mean = sum(ms) / len(ms) if ms else None
-    return {"mean": mean, "p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99)}
+    return {"mean": sum(ms) / len(ms) if ms else None, **harness.percentiles(ms, (50, 90, 99))}
 
 
 def meets(record: RequestRecord, ttft_ms: float | None, tpot_ms: float | None) -> bool:
@@ -376,24 +370,15 @@ def result_json(result: LoadResult, summary: dict) -> dict:
 
 # ----- the command line -----
 
-def fmt(v: float | None, digits: int = 1) -> str:
-    return "—" if v is None else f"{v:,.{digits}f}"
-
-
 def show(console, result: LoadResult, summary: dict) -> None:
-    from rich.table import Table
-
-    s = summary
-    console.print(f"[bold]{result.spec.num_requests} requests[/] to {result.url}, {result.spec.endpoint} endpoint, "
-                  f"model {result.model}, concurrency {result.spec.concurrency}, request rate "
-                  f"{result.spec.request_rate:g}/s ({result.spec.arrivals}), seed {result.spec.seed}")
-    t = Table()
-    t.add_column("metric")
-    t.add_column("value", justify="right")
+    s, spec = summary, result.spec
+    console.print(f"[bold]{spec.num_requests} requests[/] to {result.url}, {spec.endpoint} endpoint, model "
+                  f"{result.model}, concurrency {spec.concurrency}, request rate {spec.request_rate:g}/s "
+                  f"({spec.arrivals}), seed {spec.seed}")
     rows = [("completed / failed", f"{s['completed']} / {s['failed']}"), ("duration", f"{s['duration_s']:.2f} s"),
-            ("request throughput", f"{fmt(s['request_throughput'], 2)} req/s"),
-            ("output token throughput", f"{fmt(s['output_throughput'])} tok/s"),
-            ("total token throughput", f"{fmt(s['total_token_throughput'])} tok/s"),
+            ("request throughput", harness.fmt(s["request_throughput"], " req/s", 2)),
+            ("output token throughput", harness.fmt(s["output_throughput"], " tok/s")),
+            ("total token throughput", harness.fmt(s["total_token_throughput"], " tok/s")),
             ("output tokens (counted from)", f"{s['output_tokens']:,} ({s['output_tokens_source']})"),
             ("prompt tokens (counted from)", f"{s['prompt_tokens']:,} ({s['prompt_tokens_source']})")]
     if s["short_outputs"]:
@@ -401,16 +386,11 @@ def show(console, result: LoadResult, summary: dict) -> None:
     if "goodput" in s:
         bounds = ", ".join(f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in s["goodput_bounds"].items()
                            if v is not None)
-        rows.append((f"goodput ({bounds})", f"{fmt(s['goodput'], 2)} req/s ({s['good_requests']} requests)"))
-    for name, row in rows:
-        t.add_row(name, row)
-    console.print(t)
-    lat = Table(title="latency (ms)")
-    for col in ("metric", "mean", "p50", "p90", "p99"):
-        lat.add_column(col, justify="left" if col == "metric" else "right")
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
-        lat.add_row(name, *(fmt(s[key][q]) for q in ("mean", "p50", "p90", "p99")))
-    console.print(lat)
+        rows.append((f"goodput ({bounds})", f"{harness.fmt(s['goodput'], ' req/s', 2)} ({s['good_requests']} requests)"))
+    console.print(harness.table("", ["metric", "value"], rows))
+    console.print(harness.table("latency (ms)", ["metric", "mean", "p50", "p90", "p99"], [
+        [name, *(harness.fmt(s[key][q]) for q in ("mean", "p50", "p90", "p99"))]
+        for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"))]))
     if s["failed"]:
         console.print(f"[red]{s['failed']} request(s) failed[/]; the first: {s['first_error']}")
 

@@ -105,14 +105,11 @@ def test_extra_body_spells_ignore_eos_per_server():
 
 # ----- the numbers -----
 
-def test_percentile_interpolates_between_ranks():
-    xs = [4.0, 1.0, 3.0, 2.0]  # sorted: 1 2 3 4
-    assert load.percentile(xs, 50) == pytest.approx(2.5)  # rank 1.5
-    assert load.percentile(xs, 90) == pytest.approx(3.7)  # rank 2.7
-    assert load.percentile(xs, 99) == pytest.approx(3.97)  # rank 2.97
-    assert load.percentile(xs, 0) == 1.0 and load.percentile(xs, 100) == 4.0
-    assert load.percentile([5.0], 99) == 5.0
-    assert load.percentile([], 50) is None
+def test_stats_interpolate_between_ranks():
+    ms = load.stats_ms([0.004, 0.001, 0.003, 0.002])  # sorted: 1 2 3 4 ms
+    assert ms == pytest.approx({"mean": 2.5, "p50": 2.5, "p90": 3.7, "p99": 3.97})  # ranks 1.5, 2.7, 2.97
+    assert load.stats_ms([0.005])["p99"] == pytest.approx(5.0)
+    assert load.stats_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 def records() -> list[RequestRecord]:
