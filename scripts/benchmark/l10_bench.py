@@ -2,51 +2,35 @@
 invocation), per engine step, and the KV capacity per rank that a split buys in a fixed memory budget.
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l10_bench.py [--tp-sizes 1,2] [--requests 8] [--prompt-len 192 384]
-        [--new-tokens 32] [--repeats 3] [--seed 0] [--kv-mib 64] [--kv-tp-sizes 1,2,4] [--threads N]
-        [--max-batched-tokens 64] [--model DIR] [--device cpu] [--dtype float32] [--json PATH]
+        [--new-tokens 32] [--repeats 3] [--rounds 1] [--kv-mib 64] [--threads N] [--json PATH] [--png PATH] ...
 
-The default run takes about 25 s on the course's 2-core machine; the timed runs are about 13 s of it, the rest
-is starting processes, loading and warming up.
+One torch.distributed group per process: each tp size runs in a fresh child process of this script (a hidden
+--child mode printing one JSON line), one at a time, --rounds children per tp in alternating order
+(harness.alternate), their runs pooled. L10's launch spawns ranks 1..tp-1 with rank 0's thread count: tp 2 at
+one thread per rank keeps both cores of a 2-core machine busy, so the load read after the run counts our ranks.
 
-Only one torch.distributed group can live in a process, so each tp size runs in a fresh child process of
-this script (a hidden --child mode that prints one JSON line); the parent runs them one after another, never
-together, and compares them. In a child, rank 0 is the child itself and L10's launch spawns ranks 1..tp-1,
-each with rank 0's torch thread count: tp 2 at one thread per rank keeps both of a 2-core machine's cores busy.
+Workload (seeded, the same at every tp): --requests prompts of --prompt-len random token ids from
+1000..min(100000, vocab) (no shared blocks: the prefix cache does not hit), --new-tokens each, greedy, EOS
+ignored, all at once; the pool fits them all; L8's token budget slices the prompts among the decode rows. Each
+timed run (--repeats per child) gets a fresh engine, warmed up untimed on three small requests.
 
-The workload (seeded, the same at every tp): --requests prompts of --prompt-len random token ids
-(1000..min(100000, vocab), so no two prompts share a block and the prefix cache does not hit), --new-tokens
-each, greedy, end-of-sequence ignored, all submitted at once. The pool fits every request (no preemption);
-the token budget is L8's (--max-batched-tokens), so prompts go in slices among the decode rows. Each timed
-run gets a fresh engine, warmed up first on three small requests of its own (graph captures and first calls
-land there, untimed). --repeats timed runs per tp; step times pool over them.
+Reported per tp from rank 0 (it runs the scheduler), with ratios to the first tp: steps per run; mean step
+(p50/p90; steps with a prompt slice, decode-only steps); all-reduces per step (2 per layer + the embedding's)
+and the mean one; the share of the timed wall time in all-reduces, the LM head's gather and the step broadcast
+(TpGroup.seconds, waits for the slower rank included); the rest of a step; output and computed tokens/s. The
+greedy tokens must equal the first tp's, else FAIL and exit 1. KV capacity is arithmetic from rank 0's TpLayout
+per --kv-tp-sizes (past tp = Hkv the KV heads replicate and blocks per rank stop growing), checked against each
+child's measured pool.
 
-Reported per tp, from rank 0 (the process that runs the scheduler): engine steps per run; mean step time,
-also split into steps carrying a prompt slice and decode-only steps; all-reduces per step (2 per layer + the
-embedding's) and the mean time of one; the share of the timed run's wall time rank 0 spent in all-reduces,
-in the LM head's gather and in broadcasting each step to the followers (TpGroup.seconds: waits for the
-slower rank included); what is left of a step for everything else; output tokens/s and computed (prompt +
-decode) tokens/s. Each as a ratio to the first tp size's. The greedy tokens at every tp must equal the first
-tp size's, request for request: a mismatch prints FAIL, exit status 1.
-
-KV capacity is arithmetic, no processes: for each of --kv-tp-sizes, rank 0's TpLayout, its local config
-(layout.local_config: its KV heads), the bytes of one block of S tokens on one rank, and how many blocks
---kv-mib holds. Past tp = Hkv the KV heads are replicated (TpLayout), so the blocks per rank stop growing.
-For the tp sizes that ran, each child's measured pool (runner.pool.bytes() / its blocks) is checked
-against this arithmetic.
-
-What it shows: on a 2-core CPU, tp 2 is slower than tp 1. Each rank's matmuls halve, but they were small
-to begin with; every forward adds 2 * layers + 1 all-reduces, each a round trip between processes over
-gloo's loopback TCP, plus the step's broadcast and the logits' gather. Tensor parallelism here teaches
-correctness (the same tokens from split weights), not speed.
+What it shows: on a 2-core CPU tp 2 is slower than tp 1: each rank's small matmuls halve, but every forward
+adds 2 * layers + 1 gloo all-reduces over loopback TCP, plus the broadcast and the gather. Tensor parallelism
+here teaches correctness (the same tokens from split weights), not speed.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -54,10 +38,9 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark's own modules
-import bench_conditions  # noqa: E402
+import harness  # noqa: E402
 from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
 from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
 from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING  # noqa: E402
@@ -131,7 +114,7 @@ def child(args) -> None:
     num_blocks = max(sum(blocks_for(len(ids) + new, args.block_size) for ids, new in jobs)
                      for jobs in runs_jobs + [warm])
     num_blocks += args.requests  # slack: a decode row may open its next block before another request ends
-    load_before = os.getloadavg()[0]
+    load_before = harness.load1()
     t0 = time.perf_counter()
     group = start(tp, device, args.tp_timeout)
     model = TpQwen3ForCausalLM.load(model_dir, dtype, group)
@@ -150,9 +133,10 @@ def child(args) -> None:
                 runs.append(run)
         pool = engine.runner.pool
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # tied: one tensor
-        result = {"tp": tp, "threads_per_rank": torch.get_num_threads(), "load1_at_start": load_before,
-                  "ready_s": ready_s, "num_blocks": num_blocks, "pool_bytes": pool.bytes(),
-                  "pool_blocks": pool.num_blocks, "weights_bytes_per_rank": sum(weights.values()),
+        result = {"tp": tp, "threads_per_rank": torch.get_num_threads(), "backend": harness.backend_name(engine),
+                  "load1_at_start": load_before, "ready_s": ready_s, "num_blocks": num_blocks,
+                  "pool_bytes": pool.bytes(), "pool_blocks": pool.num_blocks,
+                  "weights_bytes_per_rank": sum(weights.values()),
                   "forward_all_reduces": 2 * cfg.num_hidden_layers + 1, "runs": runs}
     finally:
         group.close()  # what L10Engine.close() does: the followers stop, the process groups go
@@ -175,26 +159,28 @@ def run_child(tp: int, argv: list[str], timeout: float) -> dict:
     return json.loads(lines[-1].removeprefix(CHILD_MARK))
 
 
-def summarize(res: dict) -> dict:
-    steps = [s for run in res["runs"] for s in run["steps"]]
-    wall = sum(run["wall_s"] for run in res["runs"])
+def summarize(runs: list[dict], tp: int) -> dict:
+    """One tp's timed runs, pooled over its children."""
+    steps = [s for run in runs for s in run["steps"]]
+    wall = sum(run["wall_s"] for run in runs)
     n = len(steps)
     calls = {c: sum(s["calls"][c] for s in steps) for c in COLLECTIVES}
     secs = {c: sum(s["seconds"][c] for s in steps) for c in COLLECTIVES}
     prefill = [s["s"] for s in steps if s["prefill"]]
     decode = [s["s"] for s in steps if not s["prefill"]]
-    out_tokens = sum(len(o) for run in res["runs"] for o in run["outputs"])
-    computed = sum(s["tokens"] for s in steps)
-    return {"tp": res["tp"], "steps_per_run": n / len(res["runs"]), "wall_s_per_run": wall / len(res["runs"]),
-            "step_ms": 1e3 * wall / n, "prefill_step_ms": 1e3 * statistics.fmean(prefill) if prefill else None,
-            "decode_step_ms": 1e3 * statistics.fmean(decode) if decode else None,
-            "prefill_steps_per_run": len(prefill) / len(res["runs"]),
-            "decode_steps_per_run": len(decode) / len(res["runs"]),
+    pct = harness.percentiles([1e3 * s["s"] for s in steps], (50, 90))
+    out_tokens = sum(len(o) for run in runs for o in run["outputs"])
+    return {"tp": tp, "runs": len(runs), "steps_per_run": n / len(runs), "wall_s_per_run": wall / len(runs),
+            "step_ms": 1e3 * wall / n, "step_p50_ms": pct["p50"], "step_p90_ms": pct["p90"],
+            "prefill_step_ms": 1e3 * sum(prefill) / len(prefill) if prefill else None,
+            "decode_step_ms": 1e3 * sum(decode) / len(decode) if decode else None,
+            "prefill_steps_per_run": len(prefill) / len(runs), "decode_steps_per_run": len(decode) / len(runs),
             "all_reduces_per_step": calls["all-reduce"] / n,
             "all_reduce_ms": 1e3 * secs["all-reduce"] / calls["all-reduce"] if calls["all-reduce"] else None,
             **{f"{c.replace('-', '_')}_share": secs[c] / wall for c in COLLECTIVES},
+            "collective_ms_per_step": {c: 1e3 * secs[c] / n for c in COLLECTIVES},
             "other_step_ms": 1e3 * (wall - sum(secs.values())) / n,
-            "output_tokens_per_s": out_tokens / wall, "computed_tokens_per_s": computed / wall,
+            "output_tokens_per_s": out_tokens / wall, "computed_tokens_per_s": sum(s["tokens"] for s in steps) / wall,
             "collective_calls": calls, "collective_seconds": secs}
 
 
@@ -221,69 +207,53 @@ def kv_capacity(cfg: Qwen3Config, tp_sizes: list[int], block_size: int, dtype_by
     return rows
 
 
-def fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
-    return "—" if v is None else f"{v:,.{digits}f}{unit}"
+def step_cells(r: dict, base: dict) -> list[str]:
+    def cell(key: str, text: str) -> str:  # below a value, its ratio to the first tp's
+        ratio = r["x_base"].get(key)
+        return f"{text}\n[bold]{ratio:.2f}x[/]" if ratio is not None and r is not base else text
+
+    fmt = harness.fmt
+    split = f"{r['prefill_steps_per_run']:.0f}+{r['decode_steps_per_run']:.0f}"
+    return [str(r["tp"]), f"{r['steps_per_run']:.0f} ({split})", cell("step_ms", fmt(r["step_ms"], " ms", 2)),
+            f"{fmt(r['step_p50_ms'], '', 2)} / {fmt(r['step_p90_ms'], ' ms', 2)}",
+            cell("prefill_step_ms", fmt(r["prefill_step_ms"], " ms", 2)),
+            cell("decode_step_ms", fmt(r["decode_step_ms"], " ms", 2)),
+            fmt(r["all_reduces_per_step"], "", 2), fmt(r["all_reduce_ms"], " ms", 3),
+            f"{r['all_reduce_share']:.0%}", f"{r['gather_share']:.0%}", f"{r['broadcast_share']:.0%}",
+            cell("other_step_ms", fmt(r["other_step_ms"], " ms", 2)),
+            cell("output_tokens_per_s", fmt(r["output_tokens_per_s"], "", 0)),
+            cell("computed_tokens_per_s", fmt(r["computed_tokens_per_s"], "", 0)),
+            "[green]same[/]" if r["parity"] else "[red]FAIL[/]"]
 
 
-def show_steps(console: Console, rows: list[dict], title: str) -> None:
-    t = Table(title=title)
-    cols = [("tp", None), ("steps/run", None), ("step", "step_ms"), ("with slice", "prefill_step_ms"),
-            ("decode only", "decode_step_ms"), ("AR/step", None), ("one AR", None), ("AR", None), ("gather", None),
-            ("bcast", None), ("rest", "other_step_ms"), ("out tok/s", "output_tokens_per_s"),
-            ("all tok/s", "computed_tokens_per_s"), ("parity", None)]
-    for name, _ in cols:
-        t.add_column(name, justify="right")
-    for r in rows:
-        def cell(key: str, text: str) -> str:
-            ratio = r["x_base"].get(key)
-            return f"{text}\n[bold]{ratio:.2f}x[/]" if ratio is not None and r is not rows[0] else text
-
-        split = f"{r['prefill_steps_per_run']:.0f}+{r['decode_steps_per_run']:.0f}"
-        t.add_row(str(r["tp"]), f"{r['steps_per_run']:.0f} ({split})",
-                  cell("step_ms", fmt(r["step_ms"], " ms", 2)),
-                  cell("prefill_step_ms", fmt(r["prefill_step_ms"], " ms", 2)),
-                  cell("decode_step_ms", fmt(r["decode_step_ms"], " ms", 2)),
-                  fmt(r["all_reduces_per_step"], "", 2), fmt(r["all_reduce_ms"], " ms", 3),
-                  f"{r['all_reduce_share']:.0%}", f"{r['gather_share']:.0%}", f"{r['broadcast_share']:.0%}",
-                  cell("other_step_ms", fmt(r["other_step_ms"], " ms", 2)),
-                  cell("output_tokens_per_s", fmt(r["output_tokens_per_s"], "", 0)),
-                  cell("computed_tokens_per_s", fmt(r["computed_tokens_per_s"], "", 0)),
-                  "[green]same[/]" if r["parity"] else "[red]FAIL[/]")
-    console.print(t)
-    console.print(f"  steps/run: all (with a prompt slice + decode only). step, with slice, decode only: mean step "
-                  f"time of those steps, rank 0's wall clock, pooled over the timed runs; below a value, its ratio to "
-                  f"tp {rows[0]['tp']}'s. AR/step: all-reduces per step; one AR: the mean time of one. AR, gather, "
-                  f"bcast: the share of the timed runs' wall time rank 0 spent in all-reduces, in the LM head's gather "
-                  f"and in broadcasting each step (waits for the other ranks included). rest: the mean step minus "
-                  f"those (rank 0's own compute, scheduling, sampling). out tok/s: output tokens; all tok/s: prompt "
-                  f"and output tokens computed, per second of the timed runs")
+STEP_COLUMNS = ["tp", "steps/run", "step", "p50 / p90", "with slice", "decode only", "AR/step", "one AR", "AR",
+                "gather", "bcast", "rest", "out tok/s", "all tok/s", "parity"]
 
 
-def show_kv(console: Console, rows: list[dict], measured: dict[int, float], weights: dict[int, int], cfg: Qwen3Config,
-            budget_mib: float, block_size: int, dtype: str) -> None:
-    t = Table(title=f"KV capacity per rank in {budget_mib:g} MiB ({dtype}, blocks of {block_size} tokens; "
-                    f"the model has {cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads)")
-    for name in ("tp", "query heads/rank", "KV heads/rank", "one block/rank", "blocks/rank", "tokens", "x tp 1",
-                 "measured pool", "weights/rank"):
-        t.add_column(name, justify="right")
-    base = next((r["blocks"] for r in rows if "blocks" in r), None)
-    for r in rows:
-        if "refused" in r:
-            continue  # named below the table
-        m = measured.get(r["tp"])
-        check = "—" if m is None else (f"[green]{m / 1024:,.0f} KiB/block[/]" if m == r["block_bytes"]
-                                        else f"[red]{m / 1024:,.1f} KiB/block[/]")
-        w = weights.get(r["tp"])
-        t.add_row(str(r["tp"]), str(r["q_heads"]), f"{r['kv_heads']}{' (replicated)' if r['replicated'] else ''}",
-                  f"{r['block_bytes'] / 1024:,.0f} KiB", f"{r['blocks']:,}", f"{r['tokens']:,}",
-                  f"{r['blocks'] / base:.2f}x" if base else "—", check, "—" if w is None else f"{w / MIB:,.1f} MiB")
-    console.print(t)
-    console.print("  one block/rank: S x 2 (K, V) x its KV heads x D x layers x dtype bytes, from layout.local_config; "
-                  "measured pool: runner.pool.bytes() / pool blocks in the child that ran that tp (green: equal to the "
-                  "arithmetic); weights/rank: the child's parameters as loaded")
-    for r in rows:
-        if "refused" in r:
-            console.print(f"  [yellow]tp {r['tp']}: refused ({r['refused']})[/]")
+def kv_cells(r: dict, base: int | None, measured: float | None, weights: int | None) -> list[str]:
+    check = "-" if measured is None else (f"[green]{measured / 1024:,.0f} KiB/block[/]" if measured == r["block_bytes"]
+                                          else f"[red]{measured / 1024:,.1f} KiB/block[/]")
+    return [str(r["tp"]), str(r["q_heads"]), f"{r['kv_heads']}{' (replicated)' if r['replicated'] else ''}",
+            f"{r['block_bytes'] / 1024:,.0f} KiB", f"{r['blocks']:,}", f"{r['tokens']:,}",
+            f"{r['blocks'] / base:.2f}x" if base else "-", check, harness.fmt(weights and weights / MIB, " MiB")]
+
+
+def plot(rows: list[dict], path: Path, conditions: harness.Conditions, console: Console) -> Path:
+    """Rank 0's mean step per tp, stacked: its own work, then what it spent in each collective."""
+    fig, ax = harness.figure(figsize=(6, 4.2))
+    names = [f"tp {r['tp']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    parts = [("rest (compute, scheduling, sampling)", [r["other_step_ms"] for r in rows])]
+    parts += [(c, [r["collective_ms_per_step"][c] for r in rows]) for c in COLLECTIVES]
+    for label, heights in parts:
+        ax.bar(names, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("mean engine step on rank 0 (ms)")
+    ax.set_title(f"L10 tensor parallelism: where a step's time goes ({conditions.threads} thread(s) per rank)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return harness.save_png(fig, path, conditions, console)
 
 
 def parse_sizes(text: str, flag: str) -> list[int]:
@@ -304,7 +274,9 @@ def parser() -> OneLineParser:
     p.add_argument("--prompt-len", type=int, nargs=2, default=[192, 384], metavar=("MIN", "MAX"),
                    help="prompt tokens, drawn per request (default 192 384)")
     p.add_argument("--new-tokens", type=int, default=32, help="output tokens per request (default 32)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per tp, a fresh engine each (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per child, a fresh engine each (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="children per tp size, run in alternating order (1, 2, 2, 1, ...) (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-mib", type=float, default=64, help="KV budget per rank for the capacity table (default 64)")
     p.add_argument("--kv-tp-sizes", default="1,2,4", help="tp sizes of the capacity table (default 1,2,4)")
@@ -316,17 +288,18 @@ def parser() -> OneLineParser:
     p.add_argument("--threads", type=int, help="torch threads per rank (default: torch's choice; OMP_NUM_THREADS=1 "
                    "or 1 gives the most stable numbers)")
     p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a collective may wait")
-    p.add_argument("--child-timeout", type=float, default=600, help="seconds one tp size may take (default 600)")
+    p.add_argument("--child-timeout", type=float, default=600, help="seconds one child may take (default 600)")
     p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--png", metavar="PATH", help="also plot each tp's mean step, split by where it went")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)  # run one tp size, print one JSON line
     return p
 
 
 def check_args(args) -> None:
-    for name in ("requests", "new_tokens", "repeats", "block_size", "max_running"):
+    for name in ("requests", "new_tokens", "repeats", "rounds", "block_size", "max_running"):
         if getattr(args, name) < 1:
             raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
@@ -335,19 +308,6 @@ def check_args(args) -> None:
         raise CourseError(f"--threads must be at least 1, got {args.threads}")
     if not args.kv_mib > 0:
         raise CourseError(f"--kv-mib must be above 0, got {args.kv_mib}")
-
-
-def child_argv(args) -> list[str]:
-    """The options a child needs, as given to the parent (so it resolves them the same way)."""
-    argv = ["--requests", str(args.requests), "--prompt-len", *map(str, args.prompt_len), "--new-tokens",
-            str(args.new_tokens), "--repeats", str(args.repeats), "--seed", str(args.seed), "--block-size",
-            str(args.block_size), "--max-batched-tokens", str(args.max_batched_tokens), "--max-running",
-            str(args.max_running), "--backend", args.backend, "--tp-timeout", str(args.tp_timeout), "--device",
-            args.device]
-    for name in ("threads", "model", "dtype"):
-        if getattr(args, name) is not None:
-            argv += [f"--{name}", str(getattr(args, name))]
-    return argv
 
 
 def main() -> None:
@@ -375,83 +335,98 @@ def main() -> None:
         if cfg.vocab_size <= TOKEN_LO:
             raise CourseError(f"the model's vocabulary ({cfg.vocab_size}) is too small for token ids from {TOKEN_LO}")
         for r in range(args.repeats):
-            jobs = make_jobs(args.seed, r, args.requests, tuple(args.prompt_len), args.new_tokens, cfg.vocab_size)
-            for ids, new in jobs:
+            for ids, new in make_jobs(args.seed, r, args.requests, tuple(args.prompt_len), args.new_tokens,
+                                      cfg.vocab_size):
                 check_prompt(ids, StopRule(new), cfg)
-        dtype_name = str(dtype).removeprefix("torch.")
-        conditions = bench_conditions.start()
-        threads = torch.get_num_threads()
+        conditions = harness.start(device, dtype, backend=args.backend)
+        conditions.extra["model"] = "embedded" if args.model is None else args.model
         lengths = [len(ids) for ids, _ in make_jobs(args.seed, 0, args.requests, tuple(args.prompt_len),
                                                     args.new_tokens, cfg.vocab_size)]
-        console.print(f"[bold]L10 tensor-parallel benchmark[/]: {model_dir.name}, {device}, {dtype_name}, torch "
-                      f"threads {threads} per rank, {conditions['cores']} cores, seed {args.seed}, {args.repeats} "
-                      f"timed run(s) per tp")
-        console.print(f"  workload: {args.requests} requests at once, prompts of "
-                      f"{args.prompt_len[0]}-{args.prompt_len[1]} "
-                      f"random token ids (run 1: {', '.join(map(str, lengths))}), {args.new_tokens} new tokens each, "
-                      f"greedy, EOS ignored; token budget {args.max_batched_tokens} per step, blocks of "
-                      f"{args.block_size}; "
-                      f"{cfg.num_hidden_layers} layers, so {2 * cfg.num_hidden_layers + 1} all-reduces per forward")
+        console.print(f"[bold]L10 tensor-parallel benchmark[/]: {model_dir.name}, seed {args.seed}, {args.rounds} "
+                      f"child(ren) per tp of {args.repeats} timed run(s) each")
+        console.print(f"  workload: {args.requests} requests at once, prompts of {args.prompt_len[0]}-"
+                      f"{args.prompt_len[1]} random token ids (run 1: {', '.join(map(str, lengths))}), "
+                      f"{args.new_tokens} new tokens each, greedy, EOS ignored; token budget {args.max_batched_tokens} "
+                      f"per step, blocks of {args.block_size}; {cfg.num_hidden_layers} layers, so "
+                      f"{2 * cfg.num_hidden_layers + 1} all-reduces per forward")
         t0 = time.perf_counter()
-        results = []
-        for tp in tp_sizes:
+        ran: list[dict] = []  # every child, in the order they ran
+        for k, tp in harness.alternate(tp_sizes, args.rounds):
             t_child = time.perf_counter()
-            res = run_child(tp, child_argv(args), args.child_timeout)
+            res = run_child(tp, sys.argv[1:], args.child_timeout)  # a child ignores the parent-only options
             res["child_wall_s"] = time.perf_counter() - t_child
-            results.append(res)
-            console.print(f"  tp {tp}: {res['child_wall_s']:.1f} s in all (start and load {res['ready_s']:.1f} s), "
-                          f"{res['tp']} rank(s) x {res['threads_per_rank']} torch thread(s), timed runs "
-                          + ", ".join(f"{run['wall_s']:.2f} s" for run in res["runs"]))
+            ran.append(res)
+            console.print(f"  round {k + 1}/{args.rounds}, tp {tp}: {res['child_wall_s']:.1f} s in all (start and "
+                          f"load {res['ready_s']:.1f} s), {tp} rank(s) x {res['threads_per_rank']} torch thread(s), "
+                          "timed runs " + ", ".join(f"{run['wall_s']:.2f} s" for run in res["runs"]))
         wall = time.perf_counter() - t0
     except (CourseError, RunFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1 if isinstance(e, RunFailure) else 2)
-    bench_conditions.finish(conditions, console)
-    busiest = max(r["tp"] * r["threads_per_rank"] for r in results)
-    per_tp = ", ".join(f"tp {r['tp']}: {r['tp']} x {r['threads_per_rank']}" for r in results)
-    console.print(f"ranks x threads: up to {busiest} busy threads on {conditions['cores']} cores ({per_tp}); "
-                  f"load average (1 min) at each child's start: "
-                  + ", ".join(f"tp {r['tp']} {r['load1_at_start']:.2f}" for r in results))
-    if busiest > conditions["cores"]:
-        console.print(f"[yellow]warning: {busiest} threads on {conditions['cores']} cores: the ranks take turns on the "
+    conditions.backend = ",".join(sorted({res["backend"] for res in ran}))  # rank 0's engines, every child
+    conditions.threads = max(res["threads_per_rank"] for res in ran)
+    busiest = max(res["tp"] * res["threads_per_rank"] for res in ran)
+    conditions.extra["tp"] = ",".join(map(str, tp_sizes))
+    conditions.extra["busiest"] = f"{busiest} threads"  # tp ranks x threads each: what the load after counts
+    harness.finish(conditions, console)
+    console.print("  load average (1 min) at each child's start: " + ", ".join(
+        f"tp {res['tp']} {res['load1_at_start']:.2f}" for res in ran))
+    if busiest > conditions.cores:
+        console.print(f"[yellow]warning: {busiest} threads on {conditions.cores} cores: the ranks take turns on the "
                       "cores, and every all-reduce waits for the slower one. --threads 1 gives each rank a core.[/]")
-    rows = [summarize(r) for r in results]
-    base_outputs = results[0]["runs"]
-    for row, res in zip(rows, results):
-        row["x_base"] = {k: (row[k] / rows[0][k] if row[k] is not None and rows[0][k] else None) for k in RATIO_KEYS}
-        row["parity"] = [run["outputs"] for run in res["runs"]] == [run["outputs"] for run in base_outputs] and all(
-            len(o) == args.new_tokens for run in res["runs"] for o in run["outputs"])
-        row["notes"] = [f"{run['cached_tokens']} prompt tokens from the prefix cache, "
-                        f"{run['preemptions']} preemption(s)"
-                        for run in res["runs"] if run["cached_tokens"] or run["preemptions"]]
-    show_steps(console, rows, f"Per engine step on rank 0: {args.requests} requests, "
-                              f"{args.requests * args.new_tokens} output tokens per run")
+    runs_at = {tp: [run for res in ran if res["tp"] == tp for run in res["runs"]] for tp in tp_sizes}  # pooled
+    rows = [summarize(runs_at[tp], tp) for tp in tp_sizes]
+    base, base_outputs = rows[0], [run["outputs"] for run in runs_at[tp_sizes[0]]]
+    for row in rows:
+        runs = runs_at[row["tp"]]
+        row["x_base"] = {k: (row[k] / base[k] if row[k] is not None and base[k] else None) for k in RATIO_KEYS}
+        row["parity"] = [run["outputs"] for run in runs] == base_outputs and all(
+            len(o) == args.new_tokens for run in runs for o in run["outputs"])
+        row["notes"] = [f"{run['cached_tokens']} prompt tokens from the prefix cache, {run['preemptions']} "
+                        "preemption(s)" for run in runs if run["cached_tokens"] or run["preemptions"]]
+    console.print(harness.table(f"Per engine step on rank 0: {args.requests} requests, "
+                                f"{args.requests * args.new_tokens} output tokens per run",
+                                STEP_COLUMNS, [step_cells(r, base) for r in rows]))
+    console.print(f"  steps/run: with a prompt slice + decode only. step, with slice, decode only: mean of those "
+                  f"steps (below: ratio to tp {base['tp']}'s); p50 / p90 of all steps. AR, gather, bcast: shares of "
+                  "the timed wall time in each collective, waits included; rest: the step without them. all tok/s: "
+                  "prompt + output")
     budget = int(args.kv_mib * MIB)
+    dtype_name = str(dtype).removeprefix("torch.")
     kv = kv_capacity(cfg, kv_sizes, args.block_size, dtype.itemsize, budget)
-    measured = {r["tp"]: r["pool_bytes"] / r["pool_blocks"] for r in results}
-    weights = {r["tp"]: r["weights_bytes_per_rank"] for r in results}
-    show_kv(console, kv, measured, weights, cfg, args.kv_mib, args.block_size, dtype_name)
+    measured = {res["tp"]: res["pool_bytes"] / res["pool_blocks"] for res in ran}
+    weights = {res["tp"]: res["weights_bytes_per_rank"] for res in ran}
+    kv_base = next((r["blocks"] for r in kv if "blocks" in r), None)
+    console.print(harness.table(
+        f"KV capacity per rank in {args.kv_mib:g} MiB ({dtype_name}, blocks of {args.block_size} tokens; the model "
+        f"has {cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads)",
+        ["tp", "query heads/rank", "KV heads/rank", "one block/rank", "blocks/rank", "tokens", "x tp 1",
+         "measured pool", "weights/rank"],
+        [kv_cells(r, kv_base, measured.get(r["tp"]), weights.get(r["tp"])) for r in kv if "refused" not in r]))
+    console.print("  one block/rank: S x 2 (K, V) x KV heads x D x layers x dtype bytes (layout.local_config); "
+                  "measured pool: runner.pool.bytes() / blocks in that tp's child (green: equal); weights/rank: as "
+                  "loaded")
+    for r in kv:
+        if "refused" in r:
+            console.print(f"  [yellow]tp {r['tp']}: refused ({r['refused']})[/]")
     for r in rows:
         for note in r["notes"]:
             console.print(f"  [yellow]tp {r['tp']}: {note}[/]")
-    report = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "model": str(model_dir), "device": str(device),
-              "dtype": dtype_name, "conditions": conditions, "threads_per_rank": threads, "seed": args.seed,
-              "repeats": args.repeats, "wall_seconds": wall,
-              "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                           "max_batched_tokens": args.max_batched_tokens, "block_size": args.block_size},
+    report = {"model": str(model_dir), "seed": args.seed, "repeats": args.repeats, "rounds": args.rounds,
+              "wall_seconds": wall, "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
+                                                 "new_tokens": args.new_tokens, "block_size": args.block_size,
+                                                 "max_batched_tokens": args.max_batched_tokens},
               "tp": rows, "kv_capacity": {"budget_bytes": budget, "rows": kv},
-              "children": [{k: v for k, v in r.items() if k != "runs"} | {"runs": [
-                  {"wall_s": run["wall_s"], "steps": run["steps"]} for run in r["runs"]]} for r in results]}
+              "children": [{k: v for k, v in res.items() if k != "runs"} | {"runs": [
+                  {"wall_s": run["wall_s"], "steps": run["steps"]} for run in res["runs"]]} for res in ran]}
+    if args.png:
+        report["png"] = str(plot(rows, Path(args.png), conditions, console))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        console.print(f"results written to {args.json}")
+        harness.write_json(args.json, report, conditions, console)
     console.print(f"wall time {wall:.0f} s")
     failed = [r["tp"] for r in rows if not r["parity"]]
     if failed:
-        console.print(f"[red]FAIL[/]: greedy tokens differ from tp {rows[0]['tp']}'s at tp "
-                      f"{', '.join(map(str, failed))}")
+        console.print(f"[red]FAIL[/]: greedy tokens differ from tp {base['tp']}'s at tp {', '.join(map(str, failed))}")
         raise SystemExit(1)
 
 
