@@ -16,7 +16,7 @@ from lessons.l3_block_tensor.backends import BACKENDS
 from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING
 from lessons.l8_chunked_prefill import L8Engine
 from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS
-from lessons.l9_server.process import ServerProcess
+from shared.server_process import ServerProcess
 from l8_smoke import DEFAULT_PROMPTS  # scripts/ is on the path when a smoke runs
 from shared.cli import smoke_parser
 from shared.errors import CourseError

@@ -197,6 +197,9 @@ def build(args) -> tuple[Server, socket.socket]:
                           max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
                           long_prefill_threshold=args.long_prefill_threshold, seed=args.seed)
     engine.stats.record_timeline = False
+    # What a benchmark's conditions line needs from the server itself: the backend `auto` resolved to, the threads.
+    print(f"engine: backend {engine.runner.backend.name} · threads {torch.get_num_threads()} · device {device.type}"
+          f" · dtype {str(dtype).removeprefix('torch.')}", flush=True)
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
     served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,

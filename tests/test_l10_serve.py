@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from lessons.l9_server.process import ServerProcess
+from shared.server_process import ServerProcess
 from shared.config import Qwen3Config
 from shared.generation import StopRule
 

@@ -25,7 +25,7 @@ from fake_runner import reference
 from lessons.l4_continuous.sequence import Status
 from lessons.l9_server.app import ServedModel, create_app
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, Failed, Finished, Subscriber
-from lessons.l9_server.process import ServerProcess
+from shared.server_process import ServerProcess
 from lessons.l9_server.protocol import ApiError
 from test_l9_units import (TIMEOUT, completion, events_until_end, make_loop, record_sequences, run_async,  # noqa: F401
                            token_bytes)

@@ -30,7 +30,7 @@ import openai
 import pytest
 
 from lessons.l9_server.detokenizer import TokenBytes
-from lessons.l9_server.process import ServerProcess
+from shared.server_process import ServerProcess
 from shared.config import Qwen3Config
 from shared.generation import StopRule
 

@@ -30,7 +30,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from lessons.l9_server.app import ServedModel, create_app, longest_token_bytes
 from lessons.l9_server.metrics import ServerMetrics
-from lessons.l9_server.process import ServerProcess
+from shared.server_process import ServerProcess
 from lessons.l9_server.protocol import (IGNORED, IGNORED_STREAM_OPTIONS, NEUTRAL, STREAM_OPTIONS, ApiError,
                                         parse_chat, parse_completion)
 from shared.config import Qwen3Config
@@ -375,8 +375,7 @@ def live():
 
 
 def server_log(proc: ServerProcess) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
+    return proc.log_text()
 
 
 def hostile_bodies(model: str) -> list[tuple[str, str, bytes]]:

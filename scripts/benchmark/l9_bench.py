@@ -30,9 +30,6 @@ import math
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +47,7 @@ import harness  # noqa: E402
 from load import LoadError, LoadResult, LoadSpec, parse_range, result_json, run_load, summarize  # noqa: E402
 from shared.cli import OneLineParser, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
+from shared.server_process import ServerProcess, free_port  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 FULL = {"num_requests": 64, "concurrency": "8,32"}
@@ -61,10 +59,7 @@ OUTPUT_LEN = "16-64"
 BLOCK_SIZE = 16
 CHAT_OVERHEAD = 16  # tokens a chat template adds around one user message, with room to spare
 WARMUP = LoadSpec(num_requests=4, concurrency=4, input_len=(16, 48), output_len=(8, 8), seed=12345)
-BANNER = re.compile(r"^serving (\S+) at (http://\S+/v1)\s*$", re.M)
-BACKEND_LINE = re.compile(r"^(?:.*\s)?backend[ :=]+([\w.-]+)", re.M)  # serve.py's startup line naming its backend
 THROUGHPUT_TARGET = 2.0
-STOP_GRACE_S = 30.0
 NAMES = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching"}
 COLUMNS = [  # (label, summary path, higher is better)
     ("req/s", ("request_throughput",), True), ("output tok/s", ("output_throughput",), True),
@@ -81,84 +76,22 @@ class BenchError(Exception):
 
 # ----- the servers -----
 
-class Server:
-    """A server as a child process, its output in a temporary log: read back for the banner (ours), the backend
-    it names, and to explain a failure. ServerProcess (L9's tests) starts serve.py only; this one starts HF's too."""
-
-    def __init__(self, label: str, cmd: list[str], env: dict, model: str = "", url: str | None = None):
-        self.label, self.cmd, self.env, self.model, self.url = label, cmd, env, model, url
-        self.log = tempfile.NamedTemporaryFile(mode="w+", prefix=f"l9_bench_{label}_", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
-
-    def text(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
-
-    def fail(self, why: str) -> BenchError:
-        tail = "\n    ".join(self.text().strip().splitlines()[-12:]) or "(empty log)"
-        return BenchError(f"{self.label} {why}; its log ({self.log.name}):\n    {tail}")
-
-    def start(self, deadline_s: float) -> None:
-        """Start and wait until it answers: the banner (ours), or GET /health answering 200 (HF's)."""
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)  # a Ctrl-C in the terminal reaches us, not it
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise self.fail(f"exited with status {self.proc.returncode} before answering")
-            if self.ready():
-                return
-            time.sleep(0.25)
-        self.stop()
-        raise self.fail(f"did not answer within {deadline_s:.0f} s")
-
-    def ready(self) -> bool:
-        if self.url is None:  # ours: the banner says where, once it answers
-            match = BANNER.search(self.text())
-            if match:
-                self.model, self.url = match.groups()
-            return match is not None
-        try:
-            return httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL after STOP_GRACE_S; the exit status (negative: the signal that ended it)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return None if self.proc is None else self.proc.returncode
-
-    def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise self.fail(f"died (exit status {self.proc.returncode})")
-
-
-def server_env(threads: int, **extra: str) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
-
-
-def ours(args, model_dir: Path) -> Server:
-    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", "0", "--threads", str(args.threads), "--device", "cpu", "--block-size", str(BLOCK_SIZE),
-           "--num-blocks", str(args.num_blocks)]
+def ours(args, model_dir: Path) -> ServerProcess:
+    opts = ["--model", str(model_dir), "--host", "127.0.0.1", "--device", "cpu", "--block-size", str(BLOCK_SIZE),
+            "--num-blocks", str(args.num_blocks)]
     if args.max_batched_tokens is not None:
-        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
-    return Server("ours", cmd + shlex.split(args.ours_args), server_env(args.threads))
+        opts += ["--max-batched-tokens", str(args.max_batched_tokens)]
+    return ServerProcess(opts + shlex.split(args.ours_args), args.threads, args.startup_timeout,
+                         env={"HF_HUB_OFFLINE": "1"}, label="ours")
 
 
-def hf(args, model_dir: Path, hf_home: Path) -> Server:
-    with socket.socket() as s:  # its own --port 0 would not tell us which port it took
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def hf(args, model_dir: Path, hf_home: Path) -> ServerProcess:
+    port = free_port()  # its own --port 0 would not tell us which port it took
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--continuous-batching", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.hf_args), str(model_dir)]
-    return Server("HF", cmd, server_env(args.threads, HF_HOME=str(hf_home)), model=str(model_dir),
-                  url=f"http://127.0.0.1:{port}/v1")
+    return ServerProcess(threads=args.threads, startup_timeout=args.startup_timeout, cmd=cmd,
+                         url=f"http://127.0.0.1:{port}/v1", model=str(model_dir), label="HF",
+                         env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home)})
 
 
 def our_options(args) -> argparse.Namespace:
@@ -179,11 +112,9 @@ def planned(args, env: dict[str, str], measured_device: str) -> dict[str, str]:
             "threads": str(args.threads)}
 
 
-def server_backend(server: Server, args) -> str:
-    """The backend our server ran: the line its log names it on; else what its options resolve to on this
-    machine (serve.py builds its engine with the same make_backend), marked so."""
-    match = BACKEND_LINE.search(server.text())
-    return match.group(1) if match else planned(args, {}, "cpu")["backend"] + " (resolved, not logged)"
+def check_alive(server: ServerProcess) -> None:
+    if not server.alive():
+        raise BenchError(f"{server.label} died (exit status {server.proc.returncode}): {server.stderr_tail(12)}")
 
 
 def scrape(url: str, name: str) -> float | None:
@@ -198,37 +129,40 @@ def scrape(url: str, name: str) -> float | None:
 
 # ----- one server's runs -----
 
-def measure(server: Server, specs: list[LoadSpec], args, console: Console) -> dict:
+def measure(server: ServerProcess, specs: list[LoadSpec], args, console: Console) -> dict:
     """Start, warm up, run every spec, stop. {"runs": [LoadResult], "exit_status", "notes", "backend"}."""
     notes: list[str] = []
     t0 = time.perf_counter()
-    server.start(args.startup_timeout)
+    try:
+        server.start()
+    except RuntimeError as e:
+        raise BenchError(str(e)) from None
     try:
         console.print(f"[bold]{server.label}[/]: answering after {time.perf_counter() - t0:.1f} s at {server.url}")
         warm = replace(WARMUP, endpoint=specs[0].endpoint, ignore_eos=True,
                        ignore_eos_field=specs[0].ignore_eos_field, timeout=specs[0].timeout)
         failed = [r.error for r in asyncio.run(run_load(warm, server.url, server.model)).records if not r.ok]
         if failed:
-            server.check_alive()
+            check_alive(server)
             raise BenchError(f"{server.label} failed its warm-up requests: {failed[0]}")
         runs = []
         for spec in specs:
             preempted = scrape(server.url, "paged_preemptions_total") if server.label == "ours" else None
             result = asyncio.run(run_load(spec, server.url, server.model))
-            server.check_alive()
+            check_alive(server)
             console.print(f"  concurrency {spec.concurrency}: {sum(r.ok for r in result.records)}/{spec.num_requests}"
                           f" requests in {result.duration_s:.1f} s")
             after = scrape(server.url, "paged_preemptions_total") if preempted is not None else None
             if after is not None and after > preempted:
                 notes.append(f"concurrency {spec.concurrency}: {after - preempted:.0f} preemption(s)")
             runs.append(result)
-        backend = server_backend(server, args) if server.label == "ours" else None
+        engine = server.engine()  # what serve.py says its engine really runs: backend, threads
     finally:
         status = server.stop()
-    Path(server.log.name).unlink()  # kept only when something failed, to be read
     if server.label == "ours" and status != 0:  # our contract: SIGTERM ends it with 0
         notes.append(f"exit status {status} after SIGTERM (expected 0)")
-    return {"runs": runs, "exit_status": status, "notes": notes, "backend": backend}
+    return {"runs": runs, "exit_status": status, "notes": notes, "backend": engine.get("backend"),
+            "threads": engine.get("threads")}
 
 
 # ----- the comparison -----
@@ -449,7 +383,8 @@ def main() -> None:
         raise SystemExit(1)
     wall = time.perf_counter() - t0
     if "ours" in measured:
-        conditions.backend = measured["ours"]["backend"]
+        conditions.backend = measured["ours"]["backend"] or "not logged"
+        conditions.threads = int(measured["ours"]["threads"] or args.threads)
     rows = compare(measured, specs)
     show(console, rows, list(measured))
     clean = report_checks(console, rows, measured)

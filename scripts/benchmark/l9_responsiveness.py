@@ -40,14 +40,13 @@ import httpx
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_conditions
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness
 sys.path.insert(0, str(ROOT))
-import bench_conditions  # noqa: E402
+import harness  # noqa: E402
 from lessons.l9_server.app import MAX_BODY_BYTES  # noqa: E402
-from lessons.l9_server.process import SERVE, ServerProcess  # noqa: E402
+from shared.server_process import SERVE, ServerProcess  # noqa: E402
 from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
@@ -230,15 +229,16 @@ def measure(serve: Path, model_dir: Path, args, console: Console, label: str) ->
         t2 = time.perf_counter()
     console.print(f"  {label}: started in {t1 - t0:.0f} s, loaded for {t2 - t1:.0f} s (warm-up and the last hostile "
                   f"request included), stopped in {time.perf_counter() - t2:.0f} s")
-    fell_back = "C++ attention kernel is unavailable" in server.stderr_tail(50)
-    return m, "batched (no C++ kernel)" if fell_back else "cpp"
+    # The backend serve.py says its engine runs; an older tree's serve.py did not say, but warned on a fallback.
+    fell_back = "C++ attention kernel is unavailable" in server.log_text()
+    return m, server.engine().get("backend") or ("batched (no C++ kernel)" if fell_back else "cpp")
 
 
 # ----- the report -----
 
 def summary(m: Measured) -> dict[str, float]:
     def pct(xs: list[float], q: float) -> float:
-        return float(np.percentile(xs, q)) if xs else float("nan")
+        return harness.percentiles(xs, (q,))[f"p{q:g}"] if xs else float("nan")
 
     statuses = sum((c for c in m.hostile.values()), Counter())
     return {"/health p50 (ms)": pct(m.probe_ms, 50), "/health p99 (ms)": pct(m.probe_ms, 99),
@@ -254,19 +254,15 @@ def summary(m: Measured) -> dict[str, float]:
 
 def show(console: Console, results: dict[str, tuple[Measured, str]]) -> dict[str, dict]:
     sums = {label: summary(m) for label, (m, _) in results.items()}
-    t = Table(title="L9 under hostile load")
-    t.add_column("")
-    for label in sums:
-        t.add_column(label.split(":")[0], justify="right")
-    if len(sums) == 2:
-        t.add_column("after / before", justify="right")
+    rows = []
     for name in next(iter(sums.values())):
         values = [s[name] for s in sums.values()]
         cells = [f"{v:,.1f}" if isinstance(v, float) else f"{v:,}" for v in values]
         if len(values) == 2:
             cells.append(f"{values[1] / values[0]:.2f}x" if values[0] else "—")
-        t.add_row(name, *cells)
-    console.print(t)
+        rows.append([name, *cells])
+    columns = ["", *(label.split(":")[0] for label in sums)] + (["after / before"] if len(sums) == 2 else [])
+    console.print(harness.table("L9 under hostile load", columns, rows))
     for label, (m, backend) in results.items():
         console.print(f"{label}, backend {backend}; hostile statuses: " + ("; ".join(
             f"{kind}: " + ", ".join(f"{s} x{n}" for s, n in sorted(c.items()))
@@ -320,9 +316,8 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    torch.set_num_threads(args.threads)  # so bench_conditions reports the servers' thread count
-    conditions = bench_conditions.start()
-    cpu = bench_conditions.cpu_name()
+    conditions = harness.start("cpu", torch.float32, threads=args.threads, code=["scripts/serve.py"])
+    cpu = harness.cpu_name()
     console.print(f"[bold]L9 responsiveness[/]: {model_dir.name}, cpu float32, {args.threads} thread(s) per server; "
                   f"{cpu}; {args.duration:g} s per server of {args.clients} streams of {args.max_tokens} tokens, "
                   + (f"a hostile request every {args.hostile_interval:g} s" if args.hostile_interval else
@@ -335,12 +330,17 @@ def main() -> None:
     except (CourseError, RuntimeError, httpx.HTTPError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
-    bench_conditions.finish(conditions, console)
+    *before, (_, (_, backend)) = results.items()  # this tree's server last: the backend it really used
+    conditions.backend = backend
+    conditions.extra["load"] = (f"{args.duration:g} s per server, {args.clients} streams of {args.max_tokens} tokens, "
+                                f"hostile every {args.hostile_interval:g} s, /health every {args.probe_interval:g} s")
+    if before:
+        conditions.extra["before"] = f"{args.before} (backend {before[0][1][1]})"
     sums = show(console, results)
+    harness.finish(conditions, console)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "cpu": cpu, "conditions": conditions,
-                                               "servers": {label: {"backend": b, "summary": sums[label], **vars(m)}
-                                                           for label, (m, b) in results.items()}}, indent=1))
+        harness.write_json(args.json, {"servers": {label: {"backend": b, "summary": sums[label], **vars(m)}
+                                                   for label, (m, b) in results.items()}}, conditions, console)
 
 
 if __name__ == "__main__":
