@@ -304,34 +304,111 @@ def topic_tp() -> None:
                   f"{max(left, 0) / 1e9:>9.1f} GB {tokens:>13,} {reqs:>9,} {reqs / tp:>9,.1f}")
     print("  KV heads (xN): each KV head held by N ranks (tp above Hkv); per card: requests / tp, to set beside tp 1")
 
+
+# The per-collective latency of a small all-reduce: not a data-sheet figure, an assumption rounded from reported
+# nccl-tests runs. NVIDIA/nccl issue 1259: about 6 us for 2 H100 SXM over NVLink (NVLS, CUDA graphs, 128 B to
+# 64 KiB); rounded up to 10 us for runs without graphs or NVLS. NVIDIA/nccl issue 1530: 42 us for an 8-byte
+# all-reduce across 8 RTX 4090s over PCIe; 40 us here. Held fixed across tp (a ring's latency grows with tp).
+NVLINK_AR_LATENCY_S, PCIE_AR_LATENCY_S = 10e-6, 40e-6
+TP_COMM_TOKENS = ((1, "decode"), (64, "decode"), (256, "decode"), (4096, "prefill"))
+
+
+def all_reduce_s(nbytes: float, tp: int, latency_s: float, link_bytes_per_s: float) -> float:
+    """One ring all-reduce: a fixed latency, then each rank sends (and receives) 2(tp-1)/tp of the tensor."""
+    return latency_s + nbytes * 2 * (tp - 1) / tp / link_bytes_per_s
+
+
+def topic_tp_comm() -> None:
     name = "Qwen3-8B"
     cfg, nbytes = qwen3_config(name), 2
     e, layers = cfg.hidden_size, cfg.num_hidden_layers
-    per_token = 2 * e * nbytes  # o_proj's and down_proj's outputs, one row each
     layer_weights = params(cfg)[1] // layers
-    print(f"{name}'s all-reduces, on paper: 2 per layer (o_proj, down_proj), each [T, {e:,}] x {nbytes} B, so "
-          f"{kib(per_token)} per token per layer.")
-    print("A ring all-reduce sends (and receives) 2(tp-1)/tp of that per rank. Link time at NVLink 4's "
-          f"{NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s or PCIe 4.0")
-    print(f"x16's {PCIE4_BYTES_PER_S / 1e9:.0f} GB/s per direction, no latency counted; matmuls/rank: the layer's "
-          f"{layer_weights:,} matmul weights / tp,")
-    print(f"2 FLOP each per token, at the H100's bf16 peak ({H100_BF16_FLOPS / 1e12:.0f} TFLOP/s); mm: that matmul time.")
-    for tokens, what in ((TP_DECODE_T, "a decode batch"), (TP_PREFILL_T, "a prefill")):
-        payload = tokens * per_token
-        print(f"  T = {tokens:,} ({what}): {mib_g(payload)} all-reduced per layer, {mib_g(layers * payload)} in the "
-              f"{layers} layers")
-        print(f"    {'tp':>3} {'sent/rank':>10} {'NVLink':>9} {'PCIe':>9} {'matmuls/rank':>13} {'NVLink/mm':>10} "
-              f"{'PCIe/mm':>8}")
+    print(f"{name}'s all-reduces, on paper: 2 per layer (o_proj, down_proj), each [T, {e:,}] x {nbytes} B. One costs a "
+          f"latency (NVLink {NVLINK_AR_LATENCY_S * 1e6:g} us,")
+    print(f"PCIe {PCIE_AR_LATENCY_S * 1e6:g} us: assumed, rounded from nccl-tests runs reported in NVIDIA/nccl issue 1259, "
+          f"about 6 us for 128 B to 64 KiB between 2 H100s")
+    print("over NVLink with CUDA graphs, and issue 1530, 42 us for 8 B across 8 RTX 4090s over PCIe) + bytes x 2(tp-1)/tp "
+          f"/ link (ring; NVLink 4 {NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s,")
+    print(f"PCIe 4.0 x16 {PCIE4_BYTES_PER_S / 1e9:.0f} GB/s per direction). layer/rank: the layer's {layer_weights:,} "
+          f"matmul weights / tp read at {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, or 2 FLOP")
+    print(f"each per token at {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s, the longer (KV reads, not counted, only lengthen "
+          f"it). lat: the latencies' share of the NVLink time.")
+    print(f"  {'T':>5} {'tp':>3} {'all-reduce':>10} {'layer/rank':>11} {'bound by':>12} {'NVLink x2':>10} {'lat':>4} "
+          f"{'PCIe x2':>9} {'NVLink/layer':>13} {'PCIe/layer':>11}")
+    for tokens, what in TP_COMM_TOKENS:
+        payload = tokens * e * nbytes
         for tp in TP_SIZES[1:]:
-            sent = payload * 2 * (tp - 1) / tp
-            nvlink, pcie = sent / NVLINK4_BYTES_PER_S, sent / PCIE4_BYTES_PER_S
+            read = layer_weights / tp * nbytes / H100_HBM_BYTES_PER_S
             matmul = 2 * layer_weights / tp * tokens / H100_BF16_FLOPS
-            print(f"    {tp:>3} {mib_g(sent):>10} {us(nvlink):>9} {us(pcie):>9} {us(matmul):>13} "
-                  f"{nvlink / matmul:>9.2f}x {pcie / matmul:>7.1f}x")
+            layer = max(read, matmul)
+            nvlink = 2 * all_reduce_s(payload, tp, NVLINK_AR_LATENCY_S, NVLINK4_BYTES_PER_S)
+            pcie = 2 * all_reduce_s(payload, tp, PCIE_AR_LATENCY_S, PCIE4_BYTES_PER_S)
+            print(f"  {tokens:>5,} {tp:>3} {mib_g(payload) if payload >= MIB else kib(payload):>10} {us(layer):>11} "
+                  f"{'weight reads' if read >= matmul else 'matmuls':>12} {us(nvlink):>10} "
+                  f"{2 * NVLINK_AR_LATENCY_S / nvlink:>4.0%} {us(pcie):>9} {nvlink / layer:>12.2f}x {pcie / layer:>10.2f}x")
+    print(f"  T = 1 to 256: decode batches; T = 4,096: a prefill. vLLM's custom all-reduce takes tensors under 8 MiB "
+          f"(its default max_size) off NCCL.")
+
+
+# Qwen3's MoE models, from their published config.json (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B): every layer's MLP
+# is num_experts experts of moe_intermediate_size, of which num_experts_per_tok run per token; untied embeddings.
+QWEN3_MOE = {
+    "Qwen3-30B-A3B": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, active=8,
+                          expert_width=768),
+    "Qwen3-235B-A22B": dict(hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128, experts=128, active=8,
+                            expert_width=1536),
+}
+PP_MODEL, LONG_PROMPT = "Qwen3-32B", 131072
+
+
+def moe_params(m: dict) -> tuple[int, int, int, int]:
+    """(all parameters, those one token uses, one layer's experts, the rest of the model: attention, router,
+    norms, embeddings), counted from the shapes."""
+    e, d = m["hidden"], m["head_dim"]
+    attention = e * m["heads"] * d * 2 + e * m["kv_heads"] * d * 2 + 2 * d  # q, o; k, v; q_norm, k_norm
+    expert = 3 * e * m["expert_width"]  # gate, up, down
+    layer_rest = attention + e * m["experts"] + 2 * e  # + the router and the two norms
+    rest = m["layers"] * layer_rest + 2 * 151936 * e + e  # + embedding, LM head, final norm
+    experts = m["experts"] * expert
+    return rest + m["layers"] * experts, rest + m["layers"] * m["active"] * expert, experts, rest
+
+
+def topic_parallel() -> None:
+    print("Past tensor parallelism, bf16, 80 GB cards:")
+    cfg, nbytes = qwen3_config(PP_MODEL), 2
+    e, layers = cfg.hidden_size, cfg.num_hidden_layers
+    hop = e * nbytes
+    tp_traffic = 2 * layers * hop * 2 * (2 - 1) / 2  # tp 2: 2 all-reduces a layer, 2(tp-1)/tp of [E] each
+    print(f"pipeline, {PP_MODEL} in 2 stages of {layers // 2} layers: one [{e:,}] activation crosses the stage "
+          f"boundary per token, {kib(hop)}; tp 2 instead sends {kib(tp_traffic)} per token per rank in "
+          f"{2 * layers} all-reduces a forward ({tp_traffic / hop:.0f}x the bytes; 1 send a boundary instead)")
+    for name, m in QWEN3_MOE.items():
+        total, active, experts, rest = moe_params(m)
+        weights = total * nbytes
+        ep = 8
+        per_rank = (rest + m["layers"] * experts / ep) * nbytes
+        dispatch = m["active"] * m["hidden"] * nbytes
+        print(f"{name}: {total:,} parameters ({weights / 1e9:.1f} GB), {active:,} used per token "
+              f"({active / total:.1%}); {m['experts']} experts a layer, {m['active']} per token")
+        print(f"  expert parallel over {ep} cards ({m['experts'] // ep} experts each, the rest replicated): "
+              f"{per_rank / 1e9:.1f} GB a card; a token's MLP input goes to at most {m['active']} cards and back, "
+              f"{kib(dispatch)} each way per layer")
+    cfg, nbytes = qwen3_config("Qwen3-8B"), 2
+    per = cfg.kv_bytes_per_token(nbytes)
+    weights = params(cfg)[0] * nbytes
+    kv = LONG_PROMPT * per
+    flop = prefill_flop(cfg, LONG_PROMPT)
+    attention = flop - 2 * params(cfg)[1] * LONG_PROMPT - 2 * cfg.vocab_size * cfg.hidden_size
+    print(f"context, Qwen3-8B, a {LONG_PROMPT:,}-token prompt: KV {LONG_PROMPT:,} x {kib(per)} = {kv / 1e9:.1f} GB "
+          f"({int((GPU_BYTES - weights) // kv)} such requests beside the weights on one card); prefill "
+          f"{flop / 1e15:.1f} PFLOP, {attention / flop:.0%} of it attention,")
+    print(f"  {flop / H100_BF16_FLOPS:.1f} s at one H100's bf16 peak; split over 8 ranks by sequence, "
+          f"{kv / 8 / 1e9:.1f} GB of KV and {flop / 8 / H100_BF16_FLOPS:.2f} s each")
 
 
 TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
-          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk, "tp": topic_tp}
+          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk, "tp": topic_tp,
+          "tp-comm": topic_tp_comm, "parallel": topic_parallel}
 
 
 def main() -> None:
