@@ -11,9 +11,6 @@ stable numbers; the run records its thread count and load average and warns when
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,11 +18,10 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmark"))  # the benchmark's own modules
-import bench_conditions  # noqa: E402
 import bench_systems as bs  # noqa: E402
+import harness  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402
 from kv_budget import budget_rows  # noqa: E402
 from roofline import Rates, WorkLog, flops, roofline_by_op  # noqa: E402
@@ -164,19 +160,19 @@ def ceiling(cfg, results: list[bs.Result], logs: list[WorkLog], dtype, device) -
 
 
 def show(console: Console, name: str, path: Path, jobs, results: list[bs.Result], rows: list[dict]) -> None:
-    t = Table(title=f"{name} ({path.name}): {len(jobs)} requests, {sum(j.new_tokens for j in jobs)} output tokens")
-    for col in ("system", "seconds", "out tok/s", "x best HF", "roofline share", "KV util mean", "KV util peak",
-                "peak running", "preemptions", "prefill tok", "from cache"):
-        t.add_column(col, justify="left" if col == "system" else "right")
+    columns = ("system", "seconds", "out tok/s", "x best HF", "roofline share", "KV util mean", "KV util peak",
+               "peak running", "preemptions", "prefill tok", "from cache")
     fmt = lambda v, f="{:.1%}": "—" if v is None else f.format(v)  # noqa: E731
+    cells = []
     for r, row in zip(results, rows):
         if r.error:
-            t.add_row(r.system, "[red]failed[/]", r.error[:60], *[""] * 8)
+            cells.append([r.system, "[red]failed[/]", r.error[:60], *[""] * 8])
             continue
-        t.add_row(r.system, f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}", fmt(row["x_best_hf"], "{:.2f}x"),
-                  fmt(row["roofline_share"]), fmt(r.util_mean), fmt(r.util_peak), fmt(r.peak_running, "{}"),
-                  fmt(r.preemptions, "{}"), fmt(r.prefill_tokens, "{}"), fmt(r.cached_tokens, "{}"))
-    console.print(t)
+        cells.append([r.system, f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}", fmt(row["x_best_hf"], "{:.2f}x"),
+                      fmt(row["roofline_share"]), fmt(r.util_mean), fmt(r.util_peak), fmt(r.peak_running, "{}"),
+                      fmt(r.preemptions, "{}"), fmt(r.prefill_tokens, "{}"), fmt(r.cached_tokens, "{}")])
+    console.print(harness.table(f"{name} ({path.name}): {len(jobs)} requests, "
+                                f"{sum(j.new_tokens for j in jobs)} output tokens", columns, cells))
     by = {r.system.split()[0]: r for r in results if not r.error}
     if "L5" in by and "L6" in by and by["L5"].prefill_tokens and by["L5"].tokens_per_s:
         l5, l6 = by["L5"], by["L6"]
@@ -196,12 +192,15 @@ def main() -> None:
             torch.set_num_threads(args.threads)
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        conditions = bench_conditions.start()
+        conditions = harness.start(device, dtype, code=[str(Path(__file__).resolve().parent / "benchmark")])
         t0 = time.perf_counter()
-        report = {"command": " ".join(sys.argv), "commit": commit(), "machine": machine(device),
-                  "dtype": str(dtype).removeprefix("torch."), "conditions": conditions, "models": []}
+        report = {"models": []}
         for name in [] if args.systems == "none" else args.model or ["tiny", "bench"]:
             report["models"].append(run_model(name, args, device, dtype, console))
+        # The backend the course's engines really used (HF's systems have none of ours).
+        used = sorted({r["backend"] for m in report["models"] for r in m["results"] if r.get("backend")})
+        conditions.backend = ",".join(used) or "none"
+        conditions.extra["workload"] = args.workload
         budget = args.kv_tokens if args.kv_budget is None else args.kv_budget
         if budget and args.workload == "mixed":  # the concurrency table is about the mixed workload
             report["kv_budget"] = budget_rows(console, budget, args)
@@ -209,35 +208,14 @@ def main() -> None:
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    bench_conditions.finish(conditions, console)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    console.print(f"{report['dtype']}, commit {report['commit']}; wall time {report['wall_seconds']:.0f} s; "
-                  f"results written to {args.out}")
+    console.print(f"wall time {report['wall_seconds']:.0f} s")
+    harness.finish(conditions, console)
+    harness.write_json(args.out, report, conditions, console)
     if args.plot:
         from bench_plots import draw_all  # matplotlib only when asked for
 
-        for png in draw_all(report, args.plot, -(-args.kv_tokens // args.block_size)):
+        for png in draw_all(report, args.plot, -(-args.kv_tokens // args.block_size), conditions):
             console.print(f"plot written to {png}")
-
-
-def commit() -> str:
-    """The code the numbers belong to: the checkout's commit, with '+dirty' when files differ from it."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("+dirty" if dirty else "")
-
-
-def machine(device) -> str:
-    gpu = f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ", no GPU"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores{gpu}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ def test_plot_writes_nonempty_pngs(tmp_path):
     assert all(size > 1000 for size in pngs.values()), pngs
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["conditions"]["threads"] == 1 and "load_after" in report["conditions"]
+    # the harness's conditions line, with the backend the course's engines really used (not "auto")
+    assert report["conditions_line"] in done.stdout.replace("\n", "")
+    assert report["conditions"]["backend"] not in ("auto", "unknown", "none")
     l4 = next(r for r in report["models"][0]["results"] if r["system"].startswith("L4"))
     assert l4["timeline"] and l4["roofline_share"] > 0
 

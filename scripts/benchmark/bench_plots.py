@@ -1,19 +1,16 @@
 """PNG pictures of one benchmark report (`bench.py --plot DIR`): throughput against the best HF baseline,
 KV utilization of the paged systems, and the pool over time under L4 and L5.
 
-Reads only the report dict bench.py writes as JSON, so the same pictures can be redrawn from a saved run.
-Matplotlib's Agg backend draws without a display (CI, ssh sessions).
+Reads only the report dict bench.py writes as JSON (with its conditions, which every picture prints under
+the plot via harness.save_png), so the same pictures can be redrawn from a saved run.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from harness import Conditions, figure, save_png
+from matplotlib.ticker import MaxNLocator
 
 PAGED = ("L3", "L4", "L5", "L6")
 
@@ -51,10 +48,10 @@ def grouped_bars(ax, models: list[dict], series: list[tuple[str, Value]], system
     ax.set_xticks(range(len(models)), [m["model"] for m in models])
 
 
-def throughput(report: dict, out: Path) -> Path:
+def throughput(report: dict, out: Path, conditions: Conditions) -> Path:
     models = report["models"]
     systems = list(dict.fromkeys(short(r["system"]) for m in models for r in ok(m)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = figure(1, 2, figsize=(12, 4.5))
     grouped_bars(left, models, [("", lambda r: r.get("x_best_hf"))], systems)
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
     left.set_ylabel("output tokens/s ÷ best HF baseline")
@@ -65,32 +62,28 @@ def throughput(report: dict, out: Path) -> Path:
     right.set_title("Share of this machine's matmul roofline")
     path = out / "throughput.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, conditions)
 
 
-def kv_util(report: dict, out: Path) -> Path:
+def kv_util(report: dict, out: Path, conditions: Conditions) -> Path:
     models = report["models"]
     systems = [s for s in PAGED if any(short(r["system"]) == s for m in models for r in ok(m))]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = figure(figsize=(8, 4.5))
     grouped_bars(ax, models, [("mean", lambda r: r.get("util_mean")), ("peak", lambda r: r.get("util_peak"))], systems)
     ax.set_ylabel("KV tokens held ÷ slots reserved")
     ax.set_title("KV utilization of the paged systems (mean over steps; at the step reserving most)")
     ax.legend(fontsize=8, ncol=2)
     path = out / "kv_util.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, conditions)
 
 
-def pool(model: dict, num_blocks: int, out: Path) -> Path | None:
+def pool(model: dict, num_blocks: int, out: Path, conditions: Conditions) -> Path | None:
     """Blocks each request holds at every step, stacked: the gaps above the stack are free blocks."""
     runs = [r for r in ok(model) if short(r["system"]) in ("L4", "L5") and r.get("timeline")]
     if not runs:
         return None
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
+    fig, axes = figure(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
     for ax, r in zip(axes[:, 0], runs):
         timeline = [{int(k): v for k, v in step.items()} for step in r["timeline"]]  # JSON keys are strings
         ids = sorted({i for step in timeline for i in step})
@@ -104,14 +97,11 @@ def pool(model: dict, num_blocks: int, out: Path) -> Path | None:
     axes[-1, 0].set_xlabel("engine step")
     path = out / f"pool_{Path(model['model']).name}.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, conditions)
 
 
-def draw_all(report: dict, out_dir: str, num_blocks: int) -> list[Path]:
+def draw_all(report: dict, out_dir: str, num_blocks: int, conditions: Conditions) -> list[Path]:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [throughput(report, out), kv_util(report, out)]
-    paths += [p for m in report["models"] if (p := pool(m, num_blocks, out))]
+    paths = [throughput(report, out, conditions), kv_util(report, out, conditions)]
+    paths += [p for m in report["models"] if (p := pool(m, num_blocks, out, conditions))]
     return paths

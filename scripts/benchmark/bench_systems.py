@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from harness import backend_name
 
 from lessons.l3_block_tensor import L3Engine
 from lessons.l4_continuous import L4Engine
@@ -45,6 +46,7 @@ class Result:
     cached_tokens: int | None = None  # L6: prompt tokens served from the prefix cache
     error: str | None = None
     timeline: list[dict[int, int]] | None = None  # L4 / L5 with --plot: per step, seq_id -> blocks held
+    backend: str | None = None  # the attention backend the course's engine really used (harness.backend_name)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -185,6 +187,7 @@ def l3_static(model, jobs: list[Job], batch: int, block_size: int, backend: str,
         progress(len(group))
     r.seconds = time.perf_counter() - t0
     r.util_mean, r.util_peak = stats.utilization_mean, stats.utilization_at_peak
+    r.backend = backend_name(engine)
     return r
 
 
@@ -205,7 +208,7 @@ def paged(engine: L4Engine, name: str, jobs: list[Job], progress: Progress, time
     s = engine.stats
     return Result(name, time.perf_counter() - t0, produced, s.utilization_mean, s.utilization_at_peak,
                   s.peak_running, s.preemptions, prefill[0], getattr(s, "cached_tokens", None),
-                  timeline=s.timeline if timeline else None)
+                  timeline=s.timeline if timeline else None, backend=backend_name(engine))
 
 
 def l4(model, jobs, block_size, num_blocks, max_running, backend, progress, timeline=False) -> Result:
