@@ -48,3 +48,16 @@ def test_a_server_saturates_at_the_fewest_clients_reaching_90_percent_of_its_bes
     assert curve["ours"]["best_output_tok_s"] == 200 and curve["ours"]["saturates_at"] == 4  # 181 >= 180
     assert curve["HF"]["best_output_tok_s"] == 101 and curve["HF"]["saturates_at"] == 4  # 100 >= 90.9
     assert [p["ttft_p99_ms"] for p in curve["HF"]["points"]] == [20, 40, 80, 160, 320]
+
+
+def test_planned_names_what_the_servers_run_for_the_doc_test():
+    """tests/test_doc_measured.py compares this with a quoted conditions line: threads from --threads, our
+    backend and dtype as serve.py would resolve them from --ours-args, HF's server alone names no backend of ours."""
+    harness = l9_bench.harness
+    plan = l9_bench.planned(l9_bench.parser().parse_args([]), {"OMP_NUM_THREADS": "1"}, "cpu")
+    assert plan == {"device": "cpu", "dtype": "float32", "backend": harness.resolve_backend("auto"), "threads": "1"}
+    args = l9_bench.parser().parse_args(["--threads", "2", "--ours-args=--backend torch --dtype bfloat16"])
+    plan = l9_bench.planned(args, {}, "cpu")
+    assert (plan["threads"], plan["dtype"]) == ("2", "bfloat16")
+    assert plan["backend"] == harness.resolve_backend("torch", "cpu", harness.torch.bfloat16)
+    assert l9_bench.planned(l9_bench.parser().parse_args(["--only", "hf"]), {}, "cpu")["backend"] == "hf"

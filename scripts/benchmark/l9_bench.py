@@ -367,7 +367,7 @@ def main() -> None:
                                code=["scripts/serve.py", "scripts/load.py"])
     spec = specs[0]
     conditions.extra.update({"model": model_dir.name, "servers": " then ".join(
-        s for s, skip in (("ours", "hf"), ("HF", "ours")) if args.only != skip), "load": (
+        s for s, skip in (("ours", "hf"), ("HF", "ours")) if args.only != skip), "workload": (
         f"{'/'.join(str(s.num_requests) for s in specs)} {spec.endpoint} requests at once, prompts "
         f"{spec.input_len[0]}-{spec.input_len[1]} words, outputs {spec.output_len[0]}-{spec.output_len[1]} tokens")})
     if args.only != "hf":
