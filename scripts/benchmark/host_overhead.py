@@ -33,7 +33,6 @@ from __future__ import annotations
 import gc
 import importlib
 import random
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -41,11 +40,10 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import bench_conditions  # noqa: E402
+import harness  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402
 from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
 from lessons.l4_continuous.sequence import Status  # noqa: E402
@@ -153,8 +151,12 @@ def measure(engine, clock: ComputeClock, warmup: int, steps: int, group=None) ->
             walls.append(wall)
             hosts.append(wall - (clock.seconds - c0))
             sends.append((group.seconds["broadcast"] - s0) if group else 0.0)
-    return {"step_ms": 1e3 * statistics.median(walls), "host_ms": 1e3 * statistics.median(hosts),
-            "host_max_ms": 1e3 * max(hosts), "send_ms": 1e3 * statistics.median(sends) if group else None}
+    return {"step_ms": 1e3 * p50(walls), "host_ms": 1e3 * p50(hosts), "host_max_ms": 1e3 * max(hosts),
+            "send_ms": 1e3 * p50(sends) if group else None}
+
+
+def p50(values: list[float]) -> float:
+    return harness.percentiles(values, (50,))["p50"]
 
 
 class WireMeter:
@@ -193,7 +195,7 @@ def follower_replay(messages: list) -> float:
         _kind, slices, _copies = wire.unpack(header, payload)
         BatchMeta.build(join(slices), BLOCK_SIZE, torch.device("cpu"))
         times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[len(times) // 4:])
+    return 1e3 * p50(times[len(times) // 4:])
 
 
 def run_lesson(lesson: str, model_dir: Path, dtype: torch.dtype, history: int, args, group=None) -> dict:
@@ -214,7 +216,7 @@ def run_lesson(lesson: str, model_dir: Path, dtype: torch.dtype, history: int, a
             row = measure(engine, clock, args.warmup, args.steps, group if lesson == "l10" else None)
         row["backend"] = engine.runner.backend.name
         if meter is not None:
-            row["ints_sent"] = int(statistics.median(int(h[2]) for h, _ in meter.messages[args.warmup:]))
+            row["ints_sent"] = int(p50([int(h[2]) for h, _ in meter.messages[args.warmup:]]))
             row["follower_ms"] = follower_replay(meter.messages)
     finally:
         clock.close()
@@ -235,7 +237,7 @@ def parse_ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def main() -> None:
+def parser() -> OneLineParser:
     p = OneLineParser(prog="host_overhead.py", description=__doc__)
     p.add_argument("--lessons", default=",".join(LESSONS), help=f"comma-separated, of {', '.join(LESSONS)}")
     p.add_argument("--histories", default="1024,8192,32768", help="tokens per request before the steps timed")
@@ -248,7 +250,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     try:
         lessons = [x.strip() for x in args.lessons.split(",") if x.strip()]
         bad = [x for x in lessons if x not in LESSONS]
@@ -265,7 +271,8 @@ def main() -> None:
         raise SystemExit(2) from None
     torch.set_num_threads(args.threads)
     console = Console(width=150)  # the table's ten columns, unwrapped
-    conditions = bench_conditions.start()
+    conditions = harness.start("cpu", dtype, threads=args.threads)
+    used = set()  # the backends the engines really used
     console.print(f"[bold]{DEFINITION}[/]")
     tiny = default_model_dir()
     group = None
@@ -285,31 +292,34 @@ def main() -> None:
                           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}, "
                           f"{str(dtype).removeprefix('torch.')}: K/V {per_token / 1024:g} KiB a token; "
                           + ", ".join(f"{BATCH} x {h} tokens = {BATCH * h * per_token / 2**30:.2f} GiB" for h in hs))
-            table = Table(title=f"{name}: {BATCH} requests decoding, block size {BLOCK_SIZE}, median of "
-                                f"{args.steps} steps after {args.warmup}")
-            for col in ("lesson", "history", "backend", "step ms", "host ms", "host share", "host max ms",
-                        "of which send ms", "ints sent", "follower host ms"):
-                table.add_column(col, justify="right")
+            cells = []
             for lesson in which:
                 base = None
                 for h in hs:
                     row = run_lesson(lesson, model_dir, dtype, h, args, group)
                     base = base or row["host_ms"]
                     label = f"l10 --tp {args.tp}" if lesson == "l10" else lesson
-                    table.add_row(label, str(h), row["backend"], f"{row['step_ms']:.2f}",
+                    used.add(row["backend"])
+                    cells.append([label, str(h), row["backend"], f"{row['step_ms']:.2f}",
                                   f"{row['host_ms']:.3f} ({row['host_ms'] / base:.2f}x)",
                                   f"{100 * row['host_ms'] / row['step_ms']:.1f}%", f"{row['host_max_ms']:.3f}",
                                   "" if row["send_ms"] is None else f"{row['send_ms']:.3f}",
                                   str(row.get("ints_sent", "")),
-                                  "" if row.get("follower_ms") is None else f"{row['follower_ms']:.3f}")
+                                  "" if row.get("follower_ms") is None else f"{row['follower_ms']:.3f}"])
                     console.print(f"  {label} history {h}: host {row['host_ms']:.3f} ms of {row['step_ms']:.2f} ms"
                                   + ("" if row["send_ms"] is None else f" (send {row['send_ms']:.3f} ms, "
                                      f"{row['ints_sent']} ints; follower {row['follower_ms']:.3f} ms)"))
-            console.print(table)
+            console.print(harness.table(
+                f"{name}: {BATCH} requests decoding, block size {BLOCK_SIZE}, median of {args.steps} steps after "
+                f"{args.warmup}", ("lesson", "history", "backend", "step ms", "host ms", "host share", "host max ms",
+                                   "of which send ms", "ints sent", "follower host ms"), cells))
     finally:
         if group is not None:
             group.close()
-    bench_conditions.finish(conditions, console)
+    conditions.backend = ",".join(sorted(used)) or "none"
+    if "l10" in lessons:
+        conditions.extra["tp"] = str(args.tp)
+    harness.finish(conditions, console)
 
 
 if __name__ == "__main__":
