@@ -325,10 +325,10 @@ def topic_tp_comm() -> None:
     layer_weights = params(cfg)[1] // layers
     print(f"{name}'s all-reduces, on paper: 2 per layer (o_proj, down_proj), each [T, {e:,}] x {nbytes} B. One costs a "
           f"latency (NVLink {NVLINK_AR_LATENCY_S * 1e6:g} us,")
-    print(f"PCIe {PCIE_AR_LATENCY_S * 1e6:g} us: assumed, rounded from nccl-tests runs reported in NVIDIA/nccl issue 1259, "
-          f"about 6 us for 128 B to 64 KiB between 2 H100s")
-    print("over NVLink with CUDA graphs, and issue 1530, 42 us for 8 B across 8 RTX 4090s over PCIe) + bytes x 2(tp-1)/tp "
-          f"/ link (ring; NVLink 4 {NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s,")
+    print(f"PCIe {PCIE_AR_LATENCY_S * 1e6:g} us: assumed, rounded from nccl-tests runs reported in NVIDIA/nccl "
+          f"issue 1259, about 6 us for 128 B to 64 KiB between 2 H100s")
+    print("over NVLink with CUDA graphs, and issue 1530, 42 us for 8 B across 8 RTX 4090s over PCIe) + bytes x "
+          f"2(tp-1)/tp / link (ring; NVLink 4 {NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s,")
     print(f"PCIe 4.0 x16 {PCIE4_BYTES_PER_S / 1e9:.0f} GB/s per direction). layer/rank: the layer's {layer_weights:,} "
           f"matmul weights / tp read at {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, or 2 FLOP")
     print(f"each per token at {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s, the longer (KV reads, not counted, only lengthen "
@@ -345,7 +345,8 @@ def topic_tp_comm() -> None:
             pcie = 2 * all_reduce_s(payload, tp, PCIE_AR_LATENCY_S, PCIE4_BYTES_PER_S)
             print(f"  {tokens:>5,} {tp:>3} {mib_g(payload) if payload >= MIB else kib(payload):>10} {us(layer):>11} "
                   f"{'weight reads' if read >= matmul else 'matmuls':>12} {us(nvlink):>10} "
-                  f"{2 * NVLINK_AR_LATENCY_S / nvlink:>4.0%} {us(pcie):>9} {nvlink / layer:>12.2f}x {pcie / layer:>10.2f}x")
+                  f"{2 * NVLINK_AR_LATENCY_S / nvlink:>4.0%} {us(pcie):>9} {nvlink / layer:>12.2f}x "
+                  f"{pcie / layer:>10.2f}x")
     print(f"  T = 1 to 256: decode batches; T = 4,096: a prefill. vLLM's custom all-reduce takes tensors under 8 MiB "
           f"(its default max_size) off NCCL.")
 
@@ -407,8 +408,8 @@ def topic_parallel() -> None:
 
 
 TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
-          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk, "tp": topic_tp,
-          "tp-comm": topic_tp_comm, "parallel": topic_parallel}
+          "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk,
+          "tp": topic_tp, "tp-comm": topic_tp_comm, "parallel": topic_parallel}
 
 
 def main() -> None:
