@@ -23,6 +23,9 @@ def test_profile_of_a_small_run_names_every_seam():
     for seam in ("layer matmuls (F.linear)", "attention backend: run", "vocab projection (model.logits)", "sampling"):
         assert seam in shares, (seam, sorted(shares))
     assert int(shares["model forward (every layer)"]) > 0
+    # the harness's conditions line, with the backend the engine really used (not the "auto" asked for)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("conditions"))
+    assert " · threads 1 · " in line and " · backend auto" not in line and " · model tiny" in line
 
 
 def test_bad_option_is_one_line():

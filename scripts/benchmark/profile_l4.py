@@ -26,6 +26,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_systems as bs  # noqa: E402
+import harness  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402
 from roofline import Rates, best_seconds, linear_shapes  # noqa: E402
 from lessons.l4_continuous import L4Engine  # noqa: E402
@@ -88,20 +89,19 @@ def matmul_floor(model: Qwen3ForCausalLM, rows: list[int]) -> Table:
         layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
-    table = Table(title=f"layer matmuls of one forward ({len(weights)} weights, {mib:.0f} MiB): the roofline's "
-                  "rate against the model's own weights in order")
-    for column in ("rows", "roofline ms", "model's own ms", "own / roofline"):
-        table.add_column(column, justify="right")
+    cells = []
     for m in rows:
         x = {k: torch.randn(m, k, dtype=weight.dtype) for k in {w.shape[1] for w in weights}}  # by in-features
         shapes = linear_shapes(cfg).values()
         roof = cfg.num_hidden_layers * sum(2 * m * k * n / rates.linear(m, k, n) for k, n in shapes)
         own = best_seconds(lambda: [F.linear(x[w.shape[1]], w) for w in weights], budget_s=0.2)
-        table.add_row(str(m), f"{roof * 1e3:.2f}", f"{own * 1e3:.2f}", f"{own / roof:.2f}x")
-    return table
+        cells.append([str(m), f"{roof * 1e3:.2f}", f"{own * 1e3:.2f}", f"{own / roof:.2f}x"])
+    return harness.table(f"layer matmuls of one forward ({len(weights)} weights, {mib:.0f} MiB): the roofline's "
+                         "rate against the model's own weights in order",
+                         ("rows", "roofline ms", "model's own ms", "own / roofline"), cells)
 
 
-def main() -> None:
+def parser() -> OneLineParser:
     p = OneLineParser(prog="profile_l4.py", description=__doc__)
     p.add_argument("--model", default="bench", choices=("tiny", "bench"))
     p.add_argument("--requests", type=int, default=24)
@@ -111,7 +111,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-floor", action="store_true",
                    help="also time the model's own layer matmuls against the roofline's rate (see above)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     try:
         if args.requests < 1 or args.threads < 1:
             raise CourseError(f"--requests {args.requests} / --threads {args.threads}: both must be at least 1")
@@ -121,6 +125,8 @@ def main() -> None:
         model = Qwen3ForCausalLM.from_dir(path, dtype, torch.device("cpu"))
         jobs = bs.make_workload(args.requests, (32, 512), (16, 128), model.config.vocab_size, args.seed)
         engine = L4Engine(model, 16, 512, 64, args.backend)
+        conditions = harness.start("cpu", dtype, backend=harness.backend_name(engine), threads=args.threads)
+        conditions.extra["model"] = args.model
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -137,17 +143,14 @@ def main() -> None:
     stats = pstats.Stats(profiler)
 
     console = Console()
-    table = Table(title=f"L4 on {args.model}, {args.requests} requests, {args.dtype}, {args.threads} thread(s), "
-                  f"backend {type(engine.runner.backend).__name__}: {wall:.2f} s under cProfile")
-    table.add_column("where")
-    table.add_column("seconds", justify="right")
-    table.add_column("share", justify="right")
     seconds = {key: cumulative(stats, file_end, name) for key, (file_end, name) in SEAMS.items()}
-    for label, s in rows(seconds):
-        table.add_row(label, f"{s:.2f}", f"{100 * s / wall:.0f}%")
-    console.print(table)
+    console.print(harness.table(
+        f"L4 on {args.model}, {args.requests} requests, {args.dtype}, {args.threads} thread(s), backend "
+        f"{conditions.backend}: {wall:.2f} s under cProfile", ("where", "seconds", "share"),
+        [[label, f"{s:.2f}", f"{100 * s / wall:.0f}%"] for label, s in rows(seconds)]))
     if args.matmul_floor:
         console.print(matmul_floor(model, [1, 4, 16, 64, 256, 1024]))
+    harness.finish(conditions, console)
 
 
 if __name__ == "__main__":
