@@ -151,3 +151,28 @@ def test_bad_options_exit_2_with_one_line(argv, wanted, capsys):
         pm.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and wanted in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_no_arg_cell_is_what_a_smoke_with_no_arguments_runs():
+    """--skip-no-arg-runs (.ci/run) leaves out exactly the cell that `python scripts/lN_smoke.py` computes: the
+    smoke's defaults (default prompts, its block size, 20 new tokens, float32 on the CPU), read from its --help."""
+    from shared.cli import smoke_parser
+
+    for blocks, size in ((True, 16), (True, 7), (False, None)):
+        p = smoke_parser("L2", "d", blocks=blocks, default_prompts=["x"], block_size=size or 16)
+        defaults = p.parse_args([])
+        cell = pm.no_arg_cell(Path("scripts/l2_smoke.py"), p.format_help(), on_cuda=False)
+        assert (cell.lesson, cell.dtype, cell.prompts, cell.block_size) == ("L2", "float32", "default", size)
+        assert defaults.dtype is None and defaults.prompt is None and defaults.max_new_tokens == 20  # float32 on cpu
+        assert getattr(defaults, "block_size", None) == size
+    grid = pm.grid({Path("scripts/l2_smoke.py"): True}, ["float32", "bfloat16"], list(pm.PROMPT_SETS), [1, 7, 16])
+    assert sum(c == pm.no_arg_cell(Path("scripts/l2_smoke.py"), "--block-size tokens per KV block (default: 16)",
+                                   on_cuda=False) for c in grid) == 1
+    assert pm.no_arg_cell(Path("scripts/l2_smoke.py"), "", on_cuda=True).dtype == "bfloat16"
+
+
+def test_skipping_no_arg_runs_needs_the_no_arg_settings(capsys):
+    for extra in (["--max-new-tokens", "8"], ["--device", "cpu"]):
+        with pytest.raises(SystemExit) as exit_:
+            pm.main(["--skip-no-arg-runs", *extra])
+        assert exit_.value.code == 2 and "--skip-no-arg-runs" in capsys.readouterr().err

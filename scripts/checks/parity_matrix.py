@@ -11,6 +11,8 @@ the first tie HF scores our own tokens, so every later position is judged too, s
 real mismatch or a failed lesson-specific check; ERROR no complete verdict (crash, bad option, timeout, no
 JSON, or a passing verdict that did not judge every token). A lesson whose smoke has no --block-size runs
 once per dtype and prompt set. The summary counts the positions judged against the tokens generated.
+--skip-no-arg-runs leaves out the one cell per smoke that a run with no arguments computes, for .ci/run, which
+has just made exactly that run of every smoke, as a user does, and stopped on its exit status.
 Exit 0 when no cell is FAIL or ERROR, 1 otherwise, 2 for bad options.
 """
 from __future__ import annotations
@@ -80,6 +82,17 @@ def discover(scripts_dir: Path) -> list[Path]:
 
 def has_blocks(help_text: str) -> bool:
     return "--block-size" in help_text
+
+
+def no_arg_cell(script: Path, help_text: str, on_cuda: bool) -> Cell:
+    """The cell a smoke run with no arguments computes: its default prompts and block size (read from its --help,
+    "tokens per KV block (default: N)"), float32 on the CPU and bfloat16 on CUDA (shared/cli.py's defaults)."""
+    flat = " ".join(help_text.split())  # argparse wraps help to the terminal's width
+    size = re.search(r"tokens per KV block \(default: (\d+)\)", flat) if has_blocks(help_text) else None
+    if has_blocks(help_text) and size is None:
+        raise ValueError(f"{script.name} --help names --block-size without its default")
+    return Cell("L" + SMOKE.match(script.name).group(1), script, "bfloat16" if on_cuda else "float32", "default",
+                None if size is None else int(size.group(1)))
 
 
 # Lessons whose block tables are an earlier lesson's: L9 serves L8's engine, L10 splits its model across ranks.
@@ -162,7 +175,8 @@ def column(cell: Cell, block_sizes: list[int]) -> str:
     return f"{SHORT.get(cell.dtype, cell.dtype)} S={size}"
 
 
-def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], args) -> None:
+def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], args,
+           skipped: frozenset[Cell] = frozenset()) -> None:
     for prompts in args.prompt_sets:
         title = "default prompts" if prompts == "default" else f"{prompts} prompt ({len(UNICODE_PROMPT)} characters)"
         table = Table(title=title, title_justify="left")
@@ -172,8 +186,9 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
             table.add_column(name, justify="center")
         for lesson in dict.fromkeys(c.lesson for c in cells):
             mine = [c for c in cells if c.lesson == lesson and c.prompts == prompts]
-            row = {column(c, args.block_sizes): outcomes[c].status for c in mine}
-            table.add_row(lesson, *(f"[{STYLE[row[n]]}]{row[n]}[/]" if n in row else "[dim]—[/]" for n in columns))
+            row = {column(c, args.block_sizes): "no-arg" if c in skipped else outcomes[c].status for c in mine}
+            table.add_row(lesson, *(f"[{STYLE.get(row[n], 'dim')}]{row[n]}[/]" if n in row else "[dim]—[/]"
+                                    for n in columns))
         console.print(table)
     if any(c.lesson in L8_BLOCK_TABLES for c in cells) and len(args.block_sizes) > 1:
         console.print(f"[dim]{', '.join(sorted(L8_BLOCK_TABLES & {c.lesson for c in cells}))} run L8's block tables "
@@ -181,10 +196,13 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
     if any(c.block_size is None for c in cells):
         console.print("[dim]—: the lesson has no blocks; it ran once per dtype and prompt set, shown under the first "
                       "block size.[/]", soft_wrap=True)
+    if skipped:
+        console.print("[dim]no-arg: the run the smoke makes with no arguments (.ci/run makes it just before, as a user "
+                      "does, and stops on a non-zero exit), not run again here.[/]", soft_wrap=True)
     console.print("[dim]TIE: only half-precision numerical ties, as the parity rule allows, every later position judged "
                   "on our own tokens.[/]", soft_wrap=True)
     for c in cells:
-        if outcomes[c].status != "PASS":
+        if c not in skipped and outcomes[c].status != "PASS":
             where = f"{c.lesson} {c.dtype} {c.prompts}" + ("" if c.block_size is None else f" S={c.block_size}")
             console.print(f"[{STYLE[outcomes[c].status]}]{outcomes[c].status}[/] {where}: {outcomes[c].note}",
                           soft_wrap=True, highlight=False)
@@ -222,12 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="passed to every smoke (default: theirs, auto)")
     p.add_argument("--jobs", type=int, default=1, help="smokes run at once (default 1: each uses a core)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per smoke run (default 600)")
+    p.add_argument("--skip-no-arg-runs", action="store_true",
+                   help="leave out each smoke's no-argument cell (default prompts and block size, float32 on the CPU), "
+                        "for a caller that has just run every smoke with no arguments and checked its exit status "
+                        "(.ci/run); only with the default --max-new-tokens and --device")
     args = p.parse_args(argv)
     for name, value in (("--jobs", args.jobs), ("--max-new-tokens", args.max_new_tokens), ("--timeout", args.timeout),
                         *(("--block-sizes", s) for s in args.block_sizes)):
         if value < 1:
             p.error(f"{name} must be at least 1, got {value:g}")
     scripts = discover(ROOT / "scripts")
+    if args.skip_no_arg_runs and (args.max_new_tokens != 20 or args.device not in (None, "auto")):
+        p.error("--skip-no-arg-runs: a no-argument run uses the default --max-new-tokens and --device")
     if args.lessons:
         unknown = set(args.lessons) - {"L" + SMOKE.match(s.name).group(1) for s in scripts}
         if unknown:
@@ -239,16 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         helps = pool.map(lambda s: subprocess.run([sys.executable, str(s), "--help"], capture_output=True, text=True,
                                                   cwd=ROOT).stdout, scripts)
-        cells = grid(dict(zip(scripts, map(has_blocks, helps))), args.dtypes, args.prompt_sets, args.block_sizes)
+        helps = dict(zip(scripts, helps))
+        cells = grid({s: has_blocks(h) for s, h in helps.items()}, args.dtypes, args.prompt_sets, args.block_sizes)
+        skipped: frozenset[Cell] = frozenset()
+        if args.skip_no_arg_runs:
+            import torch
+
+            skipped = frozenset(no_arg_cell(s, h, torch.cuda.is_available()) for s, h in helps.items()) & set(cells)
+        to_run = [c for c in cells if c not in skipped]
         outcomes: dict[Cell, Outcome] = {}
 
         def run(cell: Cell) -> None:
             outcomes[cell], seconds = run_cell(cell, args.max_new_tokens, args.device, args.timeout)
-            progress.print(f"[{len(outcomes)}/{len(cells)}] {cell.lesson} {cell.dtype} {cell.prompts} "
+            progress.print(f"[{len(outcomes)}/{len(to_run)}] {cell.lesson} {cell.dtype} {cell.prompts} "
                            f"S={cell.block_size or '-'}: {outcomes[cell].status} ({seconds:.1f} s)", highlight=False)
 
-        list(pool.map(run, cells))
-    render(console, cells, outcomes, args)
+        list(pool.map(run, to_run))
+    render(console, cells, outcomes, args, skipped)
     bad = sum(o.status in ("FAIL", "ERROR") for o in outcomes.values())
     console.print(summary(list(outcomes.values()), time.perf_counter() - t0), highlight=False, soft_wrap=True)
     return 1 if bad else 0
