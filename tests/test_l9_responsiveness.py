@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
+import harness  # noqa: E402
 import l9_responsiveness as bench  # noqa: E402
 
 from lessons.l9_server.app import MAX_BODY_BYTES  # noqa: E402
@@ -59,6 +60,9 @@ def test_a_short_run_reports_every_measure(tmp_path, monkeypatch, capsys):
     assert "L9 under hostile load" in printed and "target (/health p99 <= 20 ms, max <= 100 ms)" in printed
     (label, server), = json.loads(out.read_text())["servers"].items()
     assert label.startswith("after: this tree (") and server["backend"] in ("cpp", "batched (no C++ kernel)")
+    # the conditions line names the backend the server itself reported, not a guess
+    fields = harness.parse_line(json.loads(out.read_text())["conditions_line"])
+    assert fields["backend"] == server["backend"] and fields["threads"] == "1" and "workload" in fields
     summary = server["summary"]
     assert set(summary) == set(bench.summary(bench.Measured(duration_s=1.0, probe_ms=[1.0])))
     assert summary["probes"] == len(server["probe_ms"]) >= 1  # the first probe is always sent

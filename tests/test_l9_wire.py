@@ -374,6 +374,13 @@ def live():
     assert proc.stop(timeout=30) == 0
 
 
+def test_serve_reports_the_backend_and_threads_its_engine_really_uses(live):
+    """The line benchmarks read for their conditions: `auto` resolved to a real backend, --threads applied."""
+    engine = live.engine()
+    assert engine["threads"] == "1" and engine["device"] == "cpu" and engine["dtype"] == "float32"
+    assert engine["backend"] not in ("", "auto"), engine
+
+
 def server_log(proc: ServerProcess) -> str:
     return proc.log_text()
 

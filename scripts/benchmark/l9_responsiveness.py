@@ -203,8 +203,7 @@ def git(*args: str) -> str:
 def tree(ref: str | None) -> Iterator[tuple[str, Path]]:
     """(label, serve.py): REF's, from a temporary worktree removed afterwards; or this tree's (ref None)."""
     if ref is None:
-        dirty = " + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-        yield f"after: this tree ({git('rev-parse', '--short', 'HEAD')}{dirty})", SERVE
+        yield f"after: this tree ({harness.commit(['scripts/serve.py'])})", SERVE  # dirty as the harness counts it
         return
     with tempfile.TemporaryDirectory(prefix="l9_before_") as tmp:
         path = Path(tmp) / "tree"
@@ -332,7 +331,7 @@ def main() -> None:
         raise SystemExit(1)
     *before, (_, (_, backend)) = results.items()  # this tree's server last: the backend it really used
     conditions.backend = backend
-    conditions.extra["load"] = (f"{args.duration:g} s per server, {args.clients} streams of {args.max_tokens} tokens, "
+    conditions.extra["workload"] = (f"{args.duration:g} s per server, {args.clients} streams of {args.max_tokens} tokens, "
                                 f"hostile every {args.hostile_interval:g} s, /health every {args.probe_interval:g} s")
     if before:
         conditions.extra["before"] = f"{args.before} (backend {before[0][1][1]})"
