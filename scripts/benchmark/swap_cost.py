@@ -8,13 +8,15 @@ is a memory copy; on a GPU it crosses PCIe and the balance shifts (docs/l5_preem
 """
 from __future__ import annotations
 
-import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.runner import PagedRunner
 from lessons.l5_preemption.host_pool import HostKvPool
@@ -32,12 +34,17 @@ def best_of(repeats: int, run) -> float:
     return min(times)
 
 
-def main() -> None:
+def parser() -> OneLineParser:
     p = OneLineParser(prog="swap_cost.py", description=__doc__)
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2000], help="history lengths to time")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     if min(args.tokens) < 1 or max(args.tokens) > 4096:
         p.error(f"--tokens must lie in 1..4096 (the tiny model's context), got {args.tokens}")
@@ -49,10 +56,8 @@ def main() -> None:
     blocks = -(-max(args.tokens) // args.block_size)
     runner = PagedRunner(model, args.block_size, blocks, "torch")
     host = HostKvPool(runner.pool, blocks)
-    table = Table(title=f"bring back a preempted request (tiny model, fp32, {torch.get_num_threads()} thread(s), "
-                        f"load {os.getloadavg()[0]:.2f})")
-    for col in ("history tokens", "recompute (prefill) ms", "swap out + in ms", "recompute / swap"):
-        table.add_column(col, justify="right")
+    conditions = harness.start("cpu", torch.float32, backend=harness.backend_name(runner))
+    cells = []
     for n in args.tokens:
         def recompute() -> None:
             r = Request(list(range(1, n + 1)), args.block_size)
@@ -63,8 +68,12 @@ def main() -> None:
         used = list(range(-(-n // args.block_size)))
         prefill = best_of(args.repeats, recompute)
         swap = best_of(args.repeats, lambda: host.swap_in(host.swap_out(used), used))
-        table.add_row(str(n), f"{prefill * 1e3:.1f}", f"{swap * 1e3:.2f}", f"{prefill / swap:.0f}x")
-    Console(soft_wrap=True).print(table)
+        cells.append([str(n), f"{prefill * 1e3:.1f}", f"{swap * 1e3:.2f}", f"{prefill / swap:.0f}x"])
+    console = Console(soft_wrap=True)
+    console.print(harness.table("bring back a preempted request (tiny model), best of "
+                                f"{args.repeats}", ("history tokens", "recompute (prefill) ms", "swap out + in ms",
+                                                    "recompute / swap"), cells))
+    harness.finish(conditions, console)
 
 
 if __name__ == "__main__":
