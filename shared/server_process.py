@@ -17,12 +17,21 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 SERVE = Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
 BANNER = re.compile(r"^serving (\S+) at (http://\S+/v1)\s*$", re.M)
 ENGINE = re.compile(r"^engine: (.+)$", re.M)  # "engine: backend cpp · threads 1 · device cpu · dtype float32"
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM to the caller (a benchmark stopped by `kill`) exits through SystemExit, so `finally` blocks and
+    atexit stop its servers; Python's default would end the caller at once and leave them running, in a
+    session of their own that no terminal signal reaches. Only where SIGTERM still has its default action."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def free_port() -> int:
@@ -55,6 +64,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)  # a Ctrl-C in the terminal reaches us, not it
         atexit.register(self.kill)  # a caller that dies before stop() must not leave a server behind
+        exit_on_sigterm()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.ready():

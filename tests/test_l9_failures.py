@@ -329,3 +329,33 @@ def test_sigterm_answers_requests_open_past_the_grace_period_with_503():
     assert 5 <= len(lines) < 4000
     assert whole.status_code == 503, whole.text
     assert whole.json()["error"]["message"] == "the server is shutting down"
+
+
+def test_a_caller_stopped_by_sigterm_leaves_no_server_behind(tmp_path):
+    """A benchmark killed with `kill` stops its server (started in a session of its own) on the way out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    caller = tmp_path / "caller.py"
+    caller.write_text("import sys, time\nsys.path.insert(0, sys.argv[1])\nfrom shared.server_process import ServerProcess\n"
+                      "server = ServerProcess([]).start()\nprint(server.proc.pid, flush=True)\ntime.sleep(600)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, str(caller), root], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("the server outlived its caller's SIGTERM")
+    finally:
+        proc.kill()
