@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 import bench_systems as bs
+from harness import table
 from lessons.l2_token_flat.block_allocator import BlockAllocator
 from lessons.l4_continuous import L4Engine
 from lessons.l4_continuous.scheduler import Scheduler
@@ -88,13 +88,12 @@ def budget_rows(console: Console, budget: int, args, context: int = 4096) -> lis
         rows.append({"scheme": name, "peak": s.peak_running, "mean": sum(s.running) / len(s.running),
                      "util_mean": util, "preemptions": s.preemptions})
     base = rows[1]["mean"] or 1.0
-    t = Table(title=f"KV budget {budget} tokens ({blocks} blocks of {args.block_size}), {len(jobs)} requests, "
-                    f"max-running {args.max_running}")
-    for col in ("scheme", "peak concurrent", "mean concurrent", f"x reservation ({longest})", "KV util", "preemptions"):
-        t.add_column(col, justify="left" if col == "scheme" else "right")
     for r in rows:
         r["x_vs_longest"] = r["mean"] / base
-        t.add_row(r["scheme"], str(r["peak"]), f"{r['mean']:.1f}", f"{r['x_vs_longest']:.2f}x",
-                  f"{r['util_mean']:.1%}", str(r["preemptions"]))
-    console.print(t)
+    console.print(table(f"KV budget {budget} tokens ({blocks} blocks of {args.block_size}), {len(jobs)} requests, "
+                        f"max-running {args.max_running}",
+                        ("scheme", "peak concurrent", "mean concurrent", f"x reservation ({longest})", "KV util",
+                         "preemptions"),
+                        [[r["scheme"], str(r["peak"]), f"{r['mean']:.1f}", f"{r['x_vs_longest']:.2f}x",
+                          f"{r['util_mean']:.1%}", str(r["preemptions"])] for r in rows]))
     return rows
