@@ -1,30 +1,21 @@
-"""Tensor parallelism on this machine: the same seeded workload on L10's engine at tp 1 and tp 2 (one
-invocation), per engine step, and the KV capacity per rank that a split buys in a fixed memory budget.
+"""Tensor parallelism on this machine: one seeded workload on L10's engine at each --tp-sizes (default 1 and 2),
+per engine step on rank 0, and the KV capacity per rank that a split buys in a fixed memory budget.
 
-    OMP_NUM_THREADS=1 python scripts/benchmark/l10_bench.py [--tp-sizes 1,2] [--requests 8] [--prompt-len 192 384]
-        [--new-tokens 32] [--repeats 3] [--rounds 1] [--kv-mib 64] [--threads N] [--json PATH] [--png PATH] ...
+    OMP_NUM_THREADS=1 python scripts/benchmark/l10_bench.py [--tp-sizes 1,2] [--rounds 1] [--requests 8]
+        [--prompt-len 192 384] [--new-tokens 32] [--repeats 3] [--kv-mib 64] [--json PATH] [--png PATH] ...
 
-One torch.distributed group per process: each tp size runs in a fresh child process of this script (a hidden
---child mode printing one JSON line), one at a time, --rounds children per tp in alternating order
-(harness.alternate), their runs pooled. L10's launch spawns ranks 1..tp-1 with rank 0's thread count: tp 2 at
-one thread per rank keeps both cores of a 2-core machine busy, so the load read after the run counts our ranks.
+One torch.distributed group per process, so each tp size runs in a fresh child process of this script (hidden
+--child mode, one JSON line), one at a time, --rounds children per tp in harness.alternate's order, their runs
+pooled. Ranks 1..tp-1 get rank 0's thread count: tp 2 at one thread per rank fills a 2-core machine, and the
+conditions line's `busiest` says so. Workload: --requests random prompts (token ids 1000..min(100000, vocab),
+no shared blocks), --new-tokens each, greedy, EOS ignored, all at once, L8's token budget; a fresh engine per
+timed run, warmed up untimed. Reported per tp, with ratios to the first: steps, mean and p50/p90 step, the
+all-reduces and the shares of the run in each collective (TpGroup.seconds, waits included), the rest of a step,
+tokens/s; greedy tokens must equal the first tp's, else FAIL, exit 1. KV capacity is arithmetic from rank 0's
+TpLayout, checked against each child's measured pool.
 
-Workload (seeded, the same at every tp): --requests prompts of --prompt-len random token ids from
-1000..min(100000, vocab) (no shared blocks: the prefix cache does not hit), --new-tokens each, greedy, EOS
-ignored, all at once; the pool fits them all; L8's token budget slices the prompts among the decode rows. Each
-timed run (--repeats per child) gets a fresh engine, warmed up untimed on three small requests.
-
-Reported per tp from rank 0 (it runs the scheduler), with ratios to the first tp: steps per run; mean step
-(p50/p90; steps with a prompt slice, decode-only steps); all-reduces per step (2 per layer + the embedding's)
-and the mean one; the share of the timed wall time in all-reduces, the LM head's gather and the step broadcast
-(TpGroup.seconds, waits for the slower rank included); the rest of a step; output and computed tokens/s. The
-greedy tokens must equal the first tp's, else FAIL and exit 1. KV capacity is arithmetic from rank 0's TpLayout
-per --kv-tp-sizes (past tp = Hkv the KV heads replicate and blocks per rank stop growing), checked against each
-child's measured pool.
-
-What it shows: on a 2-core CPU tp 2 is slower than tp 1: each rank's small matmuls halve, but every forward
-adds 2 * layers + 1 gloo all-reduces over loopback TCP, plus the broadcast and the gather. Tensor parallelism
-here teaches correctness (the same tokens from split weights), not speed.
+On a 2-core CPU tp 2 is slower than tp 1: the matmuls halve, but every forward adds 2 * layers + 1 gloo
+all-reduces over loopback, the step broadcast and the logits gather. It teaches correctness, not speed.
 """
 from __future__ import annotations
 
@@ -166,22 +157,20 @@ def summarize(runs: list[dict], tp: int) -> dict:
     n = len(steps)
     calls = {c: sum(s["calls"][c] for s in steps) for c in COLLECTIVES}
     secs = {c: sum(s["seconds"][c] for s in steps) for c in COLLECTIVES}
-    prefill = [s["s"] for s in steps if s["prefill"]]
-    decode = [s["s"] for s in steps if not s["prefill"]]
+    prefill, decode = ([s["s"] for s in steps if s["prefill"] == kind] for kind in (True, False))
     pct = harness.percentiles([1e3 * s["s"] for s in steps], (50, 90))
     out_tokens = sum(len(o) for run in runs for o in run["outputs"])
     return {"tp": tp, "runs": len(runs), "steps_per_run": n / len(runs), "wall_s_per_run": wall / len(runs),
             "step_ms": 1e3 * wall / n, "step_p50_ms": pct["p50"], "step_p90_ms": pct["p90"],
-            "prefill_step_ms": 1e3 * sum(prefill) / len(prefill) if prefill else None,
-            "decode_step_ms": 1e3 * sum(decode) / len(decode) if decode else None,
+            **{f"{name}_step_ms": 1e3 * sum(xs) / len(xs) if xs else None for name, xs in (("prefill", prefill),
+                                                                                             ("decode", decode))},
             "prefill_steps_per_run": len(prefill) / len(runs), "decode_steps_per_run": len(decode) / len(runs),
             "all_reduces_per_step": calls["all-reduce"] / n,
             "all_reduce_ms": 1e3 * secs["all-reduce"] / calls["all-reduce"] if calls["all-reduce"] else None,
             **{f"{c.replace('-', '_')}_share": secs[c] / wall for c in COLLECTIVES},
             "collective_ms_per_step": {c: 1e3 * secs[c] / n for c in COLLECTIVES},
             "other_step_ms": 1e3 * (wall - sum(secs.values())) / n,
-            "output_tokens_per_s": out_tokens / wall, "computed_tokens_per_s": sum(s["tokens"] for s in steps) / wall,
-            "collective_calls": calls, "collective_seconds": secs}
+            "output_tokens_per_s": out_tokens / wall, "computed_tokens_per_s": sum(s["tokens"] for s in steps) / wall}
 
 
 RATIO_KEYS = ("step_ms", "prefill_step_ms", "decode_step_ms", "other_step_ms", "output_tokens_per_s",
@@ -256,19 +245,20 @@ def plot(rows: list[dict], path: Path, conditions: harness.Conditions, console: 
     return harness.save_png(fig, path, conditions, console)
 
 
-def parse_sizes(text: str, flag: str) -> list[int]:
+def sizes(text: str) -> list[int]:
+    """--tp-sizes 1,2: distinct sizes of at least 1 (an argparse type, so a bad list is one line, exit 2)."""
     try:
-        sizes = [int(x) for x in text.split(",")]
+        out = [int(x) for x in text.split(",")]
     except ValueError:
-        raise CourseError(f"{flag} {text!r}: use comma-separated integers")
-    if not sizes or any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
-        raise CourseError(f"{flag} {text!r}: distinct sizes of at least 1")
-    return sizes
+        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated integers")
+    if any(s < 1 for s in out) or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct sizes of at least 1")
+    return out
 
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l10_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp-sizes", default="1,2",
+    p.add_argument("--tp-sizes", type=sizes, default="1,2",
                    help="comma-separated tp sizes to run, the first one the baseline (default 1,2)")
     p.add_argument("--requests", type=int, default=8, help="requests per timed run (default 8)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[192, 384], metavar=("MIN", "MAX"),
@@ -279,7 +269,7 @@ def parser() -> OneLineParser:
                    help="children per tp size, run in alternating order (1, 2, 2, 1, ...) (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-mib", type=float, default=64, help="KV budget per rank for the capacity table (default 64)")
-    p.add_argument("--kv-tp-sizes", default="1,2,4", help="tp sizes of the capacity table (default 1,2,4)")
+    p.add_argument("--kv-tp-sizes", type=sizes, default="1,2,4", help="tp sizes of the capacity table (default 1,2,4)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
                    help=f"L8's token budget per step (default {DEFAULT_MAX_BATCHED_TOKENS})")
@@ -299,31 +289,23 @@ def parser() -> OneLineParser:
 
 
 def check_args(args) -> None:
-    for name in ("requests", "new_tokens", "repeats", "rounds", "block_size", "max_running"):
-        if getattr(args, name) < 1:
+    for name in ("requests", "new_tokens", "repeats", "rounds", "block_size", "max_running", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
         raise CourseError(f"--prompt-len needs 1 <= MIN <= MAX, got {args.prompt_len[0]} {args.prompt_len[1]}")
-    if args.threads is not None and args.threads < 1:
-        raise CourseError(f"--threads must be at least 1, got {args.threads}")
     if not args.kv_mib > 0:
         raise CourseError(f"--kv-mib must be above 0, got {args.kv_mib}")
 
 
 def main() -> None:
     args = parser().parse_args()
-    if args.child is not None:
-        try:
-            check_args(args)
-            child(args)
-        except (CourseError, RunFailure) as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(1 if isinstance(e, RunFailure) else 2)
-        return
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:
         check_args(args)
-        tp_sizes, kv_sizes = parse_sizes(args.tp_sizes, "--tp-sizes"), parse_sizes(args.kv_tp_sizes, "--kv-tp-sizes")
+        if args.child is not None:
+            return child(args)  # one tp size in this process; the parent reads its one JSON line
+        tp_sizes, kv_sizes = args.tp_sizes, args.kv_tp_sizes
         if args.threads:
             torch.set_num_threads(args.threads)
         device = resolve_device(args.device)
