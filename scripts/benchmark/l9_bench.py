@@ -371,7 +371,7 @@ def main() -> None:
         f"{'/'.join(str(s.num_requests) for s in specs)} {spec.endpoint} requests at once, prompts "
         f"{spec.input_len[0]}-{spec.input_len[1]} words, outputs {spec.output_len[0]}-{spec.output_len[1]} tokens")})
     if args.only != "hf":
-        conditions.extra["our pool"] = f"{args.num_blocks} blocks of {BLOCK_SIZE}" + (
+        conditions.extra["our pool"] = f"{args.num_blocks:,} blocks of {BLOCK_SIZE}" + (
             f", {args.ours_args}" if args.ours_args else "")
     if args.only != "ours" and args.hf_args:
         conditions.extra["hf args"] = args.hf_args
