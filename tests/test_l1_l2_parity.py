@@ -15,11 +15,15 @@ NEW_TOKENS = 24
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_default_model_l1_l2_hf_ignore_eos(tiny_model, hf, prompt_ids, block_size):
     stop = StopRule(NEW_TOKENS, ignore_eos=True)
-    l1, l2 = L1Engine(tiny_model), L2Engine(tiny_model, block_size=block_size)
+    # L1 has no blocks, so one block size checks it (16: the case docs/l1_contiguous.md's `-k "ignore_eos and
+    # 16"` runs); running it again under 1 and 7 repeated the same computation.
+    l1 = L1Engine(tiny_model) if block_size == 16 else None
+    l2 = L2Engine(tiny_model, block_size=block_size)
     for ids in prompt_ids:
         expected = hf.generate(ids, stop).tokens
         assert len(expected) == NEW_TOKENS
-        assert l1.generate(ids, stop) == expected
+        if l1 is not None:
+            assert l1.generate(ids, stop) == expected
         assert l2.generate(ids, stop) == expected
         assert l2.allocator.num_free == l2.allocator.num_blocks
 
