@@ -179,11 +179,29 @@ def test_an_older_prompt_slice_evicts_a_decode_already_in_the_step(tiny_model, h
 # --- 4. one prompt computed once when two arrive together ---------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def alone_step_tokens(tiny_model, hf):
+    """The tokens each step computes for the prompt alone, per (block_size, budget, length), checked against HF
+    once: the wait and no-wait cases below compare with the same lone run, so it runs once for both."""
+    memo: dict[tuple, list[int]] = {}
+
+    def run(block_size: int, budget: int, prompt: list[int]) -> list[int]:
+        key = (block_size, budget, tuple(prompt))
+        if key not in memo:
+            stop = stop_for(tiny_model)
+            alone = engine_for(tiny_model, block_size, budget)
+            assert alone.generate_batch([prompt], stop) == [hf.generate(prompt, stop).tokens]
+            memo[key] = list(alone.step_tokens)
+        return memo[key]
+
+    return run
+
+
 @pytest.mark.parametrize("wait", [True, False], ids=["wait", "no-wait"])
 @pytest.mark.parametrize("block_size,budget,length", [(4, 16, 101), (4, 5, 30), (16, 24, 101), (16, 40, 96)],
                          ids=["B4-budget16-L101", "B4-budget5-L30", "B16-budget24-L101", "B16-budget40-L96"])
-def test_two_identical_prompts_in_one_step_compute_it_once(tiny_model, hf, prompt_ids, block_size, budget, length,
-                                                           wait):
+def test_two_identical_prompts_in_one_step_compute_it_once(tiny_model, hf, prompt_ids, alone_step_tokens, block_size,
+                                                           budget, length, wait):
     """wait_for_inflight (the default): the second waits while the first's slices fill the blocks it would
     hit, then hits all but the last token's block, so it computes at most one block's worth. Without it, the
     second is admitted with the budget the first's last slice leaves, hits the blocks written so far and
@@ -191,8 +209,7 @@ def test_two_identical_prompts_in_one_step_compute_it_once(tiny_model, hf, promp
     stop = stop_for(tiny_model)
     prompt = prompt_ids[3][:length]
     assert budget < length
-    alone = engine_for(tiny_model, block_size, budget)
-    assert alone.generate_batch([prompt], stop) == [hf.generate(prompt, stop).tokens]
+    alone = alone_step_tokens(block_size, budget, prompt)
     engine = engine_for(tiny_model, block_size, budget, wait_for_inflight=wait)
     got = engine.generate_batch([prompt, prompt], stop, stagger=0)
     assert got == [hf.generate(prompt, stop).tokens] * 2
@@ -204,7 +221,7 @@ def test_two_identical_prompts_in_one_step_compute_it_once(tiny_model, hf, promp
     else:
         assert engine.stats.cached_tokens > 0 and 1 <= second <= block_size + budget
     # Counted from the steps themselves: the pair costs one run plus the second's tail and its decodes.
-    assert sum(engine.step_tokens) - sum(alone.step_tokens) == second + NEW - 1
+    assert sum(engine.step_tokens) - sum(alone) == second + NEW - 1
     assert max(engine.step_tokens) <= budget
     assert_no_leak(engine)
 
