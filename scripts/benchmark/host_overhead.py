@@ -281,8 +281,9 @@ def main() -> None:
         group = start(args.tp, torch.device("cpu"))
     try:
         parts = [("tiny (embedded)", tiny, histories, lessons)]
-        if shares:
-            parts.append(("bench shape", bench_shape_dir(), shares, [x for x in lessons if x in ("l4", "l8")]))
+        share_lessons = [x for x in lessons if x in ("l4", "l8")]
+        if shares and share_lessons:  # no empty table when only L6 / L10 were asked for
+            parts.append(("bench shape", bench_shape_dir(), shares, share_lessons))
         for name, model_dir, hs, which in parts:
             probe = Qwen3ForCausalLM.from_dir(model_dir, dtype, torch.device("cpu"))
             per_token = kv_bytes_per_token(probe)
