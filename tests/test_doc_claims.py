@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import glob
 import json
 import os
@@ -381,17 +382,25 @@ def doc_run_env() -> dict[str, str]:
     return env
 
 
+@functools.lru_cache(maxsize=None)
+def run_doc_command(command: str) -> subprocess.CompletedProcess:
+    """`[VAR=value ...] python scripts/X.py ...` run as doc_run_env says, from the repository root. Memoised per
+    session: a command that several output blocks show, or that tests/test_doc_numbers.py also quotes (sizing.py,
+    the smokes, tp 2 included), runs once, and every test judges that one run's exit status and output."""
+    words = shlex.split(command)
+    env = doc_run_env()  # CUDA hidden: `--device auto` then means the CPU and fp32 on every machine, as docs show
+    while words and ENV_ASSIGNMENT.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    assert words and words[0] == "python", f"a doc command runs `python ...`, not {command!r}"
+    return subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
 @pytest.mark.parametrize("block", ALL_OUTPUT_BLOCKS, ids=lambda b: f"{_name(b.doc)}:{b.line}")
 def test_output_block_is_what_the_command_prints(block):
     from shared.tiny_qwen3 import cache_root
 
-    words = shlex.split(block.command.removeprefix("$ "))
-    # CUDA hidden: `--device auto` then means the CPU and fp32 on every machine, as the docs show.
-    env = doc_run_env()
-    while ENV_ASSIGNMENT.match(words[0]):
-        key, _, value = words.pop(0).partition("=")
-        env[key] = value
-    run = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    run = run_doc_command(block.command.removeprefix("$ "))
     actual = [normalise(line, str(cache_root()), block.exact) for line in (run.stdout + run.stderr).splitlines()]
     where = f"{block.doc.name}:{block.line} `{block.command}`"
     assert run.returncode == block.exit, (

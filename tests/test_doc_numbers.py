@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from test_doc_claims import doc_run_env
+from test_doc_claims import doc_run_env, run_doc_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -78,14 +78,17 @@ def _scratch_with(mutation_id: str, tmp: Path) -> Path:
 
 @lru_cache(maxsize=None)
 def _printed(command: str, mutation: str | None) -> str:
-    """What the command prints; each (command, mutation) runs once per session, however many regions quote it."""
-    cwd = ROOT if mutation is None else _scratch_with(mutation, Path(tempfile.mkdtemp(prefix="mutant-")))
+    """What the command prints; each (command, mutation) runs once per session, however many regions quote it, and
+    an unmutated command that an output block also shows shares that block's run (run_doc_command)."""
+    if mutation is None:
+        run = run_doc_command(command)
+        return run.stdout + run.stderr
+    cwd = _scratch_with(mutation, Path(tempfile.mkdtemp(prefix="mutant-")))
     words = shlex.split(command)
     assert words[0] == "python", f"a numbers region runs `python ...`, not {command!r}"
     env = {**doc_run_env(), "PYTHONPATH": str(cwd)}  # a mutant copy's code, not the installed tree's
     run = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
-    if mutation is not None:
-        shutil.rmtree(cwd.parent, ignore_errors=True)
+    shutil.rmtree(cwd.parent, ignore_errors=True)
     return run.stdout + run.stderr
 
 
