@@ -37,7 +37,9 @@ OPEN = re.compile(r"<!-- numbers:")
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?!\w)")
 COMMENT = re.compile(r"<!--.*?-->", re.S)
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
-CHECKED = re.compile(r"^<!-- (?:output|quote)[^\n]*\n```.*?^```[ \t]*$|<!-- numbers: .*?<!-- /numbers -->", re.M | re.S)
+# Measured regions too: their numbers are what a named command printed, under a conditions line that
+# tests/test_doc_measured.py checks (a commit hash, a load, a p99 of 1217 ms are not token IDs).
+CHECKED = re.compile(r"^<!-- (?:output|quote)[^\n]*\n```.*?^```[ \t]*$|<!-- numbers: .*?<!-- /numbers -->|^<!-- measured: .*?^<!-- /measured -->", re.M | re.S)
 FENCE = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
 # A figure with a sizing unit (bytes, FLOP, launches), and a bare number of four or more digits (a token ID).
 SIZING = re.compile(r"(?<![\w.])\d[\d,.]*(?:\sB|\s?(?:KiB|MiB|GiB|TiB|KB|MB|GB|TB|TFLOP|GFLOP|PFLOP))(?![\w/])"
