@@ -36,7 +36,7 @@ SP_TEXT, SP_PIECES = "Hello world 🚀", ["▁Hello", "▁world", "▁"]
 def sentencepiece_style(pieces: list[str]) -> Tokenizer:
     """A toy laid out as Llama 2's tokenizer.json: "▁" for a space (one prepended), unigram pieces,
     <0xNN> byte-fallback tokens for the rest, and a decoder that turns "▁" into spaces, fuses byte tokens
-    into characters and strips one leading space (the same toy as tests/test_l9_units.py's)."""
+    into characters and strips one leading space (tests/test_l9_units.py tests with this same toy)."""
     vocab = [("<unk>", 0.0)] + [(p, -1.0) for p in pieces] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
     tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])

@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import sys
+from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers
 from tokenizers.decoders import DecodeStream
 
 from fake_runner import FakeChunkRunner, decode_k, decode_v, fake_model, reference
@@ -41,6 +42,9 @@ from lessons.l9_server.protocol import ApiError, parse_chat, parse_completion
 from lessons.l9_server.stop_strings import StopStringMatcher
 from shared.errors import CourseError
 from shared.generation import StopRule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from l9_walkthrough import sentencepiece_style  # noqa: E402  (the toy the walkthrough prints, Llama 2's layout)
 
 IM_END, ENDOFTEXT = 151645, 151643
 FIRST_ADDED = 151643  # the BPE ranks end here; the special tokens follow
@@ -195,18 +199,6 @@ def test_the_offset_method_matches_the_byte_shortcut(tokenizer, token_bytes, fra
             i += size
         want = tokenizer.decode(ids, skip_special_tokens=True)
         assert "".join(out) + d.flush() == want == stream(token_bytes, ids, itertools.repeat(1))[0], (prompt, ids)
-
-
-def sentencepiece_style(pieces: list[str]) -> Tokenizer:
-    """A toy tokenizer laid out as Llama 2's and Mistral's tokenizer.json: "▁" for a space (one prepended),
-    single pieces scored by a unigram model, <0xNN> byte-fallback tokens for anything else, and the decoder
-    that turns "▁" back into spaces, fuses byte tokens into characters and strips one leading space."""
-    vocab = [("<unk>", 0.0)] + [(p, -1.0) for p in pieces] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
-    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return tok
 
 
 def test_sentencepiece_needs_the_window_not_one_token_at_a_time():
