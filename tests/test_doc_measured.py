@@ -30,6 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
 import harness  # noqa: E402
+from test_doc_claims import ENV_ASSIGNMENT  # noqa: E402
 
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 REGION = re.compile(r"^<!-- measured: \$ (.+?) -->\n(.*?)^<!-- /measured -->", re.S | re.M)
@@ -104,7 +105,7 @@ def load_script(path: Path):
 def split_command(command: str) -> tuple[dict[str, str], Path, list[str]]:
     words = shlex.split(command)
     env = {}
-    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+    while words and ENV_ASSIGNMENT.match(words[0]):  # the same rule output blocks' commands follow
         key, _, value = words.pop(0).partition("=")
         env[key] = value
     assert len(words) >= 2 and words[0] == "python", f"a measured command is `python SCRIPT ...`: {command!r}"
