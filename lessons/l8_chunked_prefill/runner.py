@@ -5,11 +5,16 @@ no logits row: with a 151,936-word vocabulary the LM head is the largest matmul 
 and its output would be thrown away. And a step may replay a captured graph only when every row is a
 decode that samples; a step holding any prompt slice, even a one-token one, runs eagerly, so the graphs
 keep the shapes (and the meaning) they were captured with.
+
+A decode slice gets a logits row for every token it feeds. Here that is one row (a decode feeds one
+token); L11's verify slices feed a decode's token plus its drafts, and each of those rows is a guess to
+check. The rule reads only the slice's own numbers, so every rank of L10 applies it the same way.
 """
 from __future__ import annotations
 
 import torch
 
+from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l7_cuda_graphs.graph_runner import GraphRunner
 from lessons.l8_chunked_prefill.slice import Slice
@@ -22,7 +27,7 @@ class ChunkedRunner(GraphRunner):
         return super().graph_size(requests)
 
     def forward(self, slices: list[Slice]) -> torch.Tensor:
-        """Compute every slice; fp32 logits [number of slices that sample, vocab], in batch order."""
+        """Compute every slice; fp32 logits [rows scored (scored_rows), vocab], in batch order."""
         if self.graph_size(slices) is not None:
             return super().forward(slices)  # decodes only: every row samples
         self.eager_steps += 1
@@ -30,7 +35,16 @@ class ChunkedRunner(GraphRunner):
         ids = [t for s in slices for t in s.token_ids(s.num_cached, s.num_tokens)]
         self.backend.plan(meta)
         hidden = self.model(torch.tensor(ids, device=self.device), meta.positions, self, meta)
+        rows = scored_rows(slices, meta)
         for s in slices:
             s.num_cached = s.num_tokens
-        sampling = [i for i, s in enumerate(slices) if s.samples]
-        return self.model.logits(hidden[meta.last_rows[sampling]])  # the vocabulary projection: sampling rows only
+        return self.model.logits(hidden[rows])  # the vocabulary projection: sampling rows only
+
+
+def scored_rows(slices: list[Request], meta: BatchMeta) -> torch.Tensor:
+    """The rows of the flat stream that get logits, in batch order: a sampling slice's last row, every row of
+    a decode slice (one, until L11 puts drafts behind it)."""
+    starts, ends = meta.qo_indptr[:-1].tolist(), meta.qo_indptr[1:].tolist()
+    rows = [r for s, a, b in zip(slices, starts, ends) if s.samples
+            for r in (range(a, b) if s.decode else (b - 1,))]
+    return torch.tensor(rows, dtype=torch.int64, device=meta.last_rows.device)
