@@ -13,10 +13,13 @@ HISTORY_STEPS = 1024  # per-step records kept (the stats' lists, L8's step_token
 class L9Engine(L8Engine):
     def step(self) -> list[SharedSequence]:
         finished = super().step()
+        self.trim_histories()
+        return finished
+
+    def trim_histories(self) -> None:
         for history in (self.step_tokens, self.stats.tokens_held, self.stats.slots_reserved, self.stats.running,
                          self.stats.timeline):
             del history[:-HISTORY_STEPS]  # a server steps for days; a batch script could keep them all
-        return finished
 
     def abort(self, seqs: list[SharedSequence]) -> None:
         """End these sequences now, wherever they are: waiting, part-way through their prompt, decoding, or

@@ -1,0 +1,137 @@
+"""L11's engine: L9's (L8's scheduler, abort, bounded histories), with drafts checked in the decode rows.
+
+One step: L8's plan -> drafts for its decodes (the drafter) -> one forward, every draft a query row ->
+the verify rule per decode -> commit the kept tokens, cut at any stop -> roll the pages back to what was
+kept -> register only verified blocks -> retire the finished. With no drafter (or K = 0) every step is
+exactly L9's. L11TpEngine is the same step over L10's split model.
+"""
+from __future__ import annotations
+
+import torch
+
+from lessons.l4_continuous.sampling import sample
+from lessons.l6_prefix_sharing.scheduler import PrefixScheduler
+from lessons.l6_prefix_sharing.sequence import SharedSequence
+from lessons.l8_chunked_prefill.slice import Slice
+from lessons.l9_server.engine import L9Engine
+from lessons.l10_tensor_parallel.engine import L10Engine
+from lessons.l11_speculative.drafter import Drafter
+from lessons.l11_speculative.scheduler import SpecScheduler
+from lessons.l11_speculative.slice import VerifySlice
+from lessons.l11_speculative.stats import SpecStats
+from lessons.l11_speculative.verify import accept_one_hot, accept_sampled
+from shared.errors import CourseError
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+
+
+def check_num_speculative_tokens(k: object) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise CourseError(f"num-speculative-tokens must be an integer of at least 0, got {k!r}")
+
+
+class L11Engine(L9Engine):
+    def __init__(self, *args, drafter: Drafter | None = None,
+                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, **kwargs):
+        check_num_speculative_tokens(num_speculative_tokens)
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
+        self.spec = SpecStats()
+        super().__init__(*args, **kwargs)
+        if drafter is not None:
+            drafter.bind(self)
+
+    def make_scheduler(self, max_running: int) -> PrefixScheduler:
+        super().make_scheduler(max_running)  # L6's stats, prefix cache and ref-counted manager (L8's scheduler, unused)
+        return SpecScheduler(self.allocator, self.block_size, max_running, self.stats, self.wait_for_inflight,
+                             self.max_batched_tokens, self.max_slice_tokens, self.max_long_prefills,
+                             self.long_prefill_threshold, num_speculative_tokens=self.num_speculative_tokens)
+
+    def step(self) -> list[SharedSequence]:
+        self.clock += 1
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        plan = self.with_drafts(plan, self.scheduler.limits)
+        self.step_tokens.append(sum(piece.num_tokens - piece.num_cached for piece in plan))
+        widths = [piece.num_tokens - piece.num_cached if piece.decode else 1 for piece in plan]  # logits rows each
+        logits = self.runner.forward(plan)  # every row of a decode, the last row of a prompt slice that samples
+        batch = [piece.seq for piece in plan]
+        for piece in plan:
+            if not piece.decode:
+                piece.seq.num_cached = piece.num_cached  # a prompt slice: all it fed is real
+                self.prompt_slices[piece.seq_id] = self.prompt_slices.get(piece.seq_id, 0) + 1
+        self.scheduler.register_written([p.seq for p in plan if not p.decode])  # decodes: after verification
+
+        groups: list[tuple[SharedSequence, torch.Tensor, Slice]] = []  # (sequence, its logits rows, its slice)
+        row = 0
+        for piece, width in zip(plan, widths):
+            if not piece.samples:
+                continue
+            rows = logits[row:row + width]
+            row += width
+            groups.append((piece.seq, rows, piece))
+            for child in self.scheduler.fork(piece.seq):  # n > 1: siblings sample from the parent's prompt row
+                groups.append((child, rows, piece))
+        emitted = self.choose(groups)
+
+        last, decodes, kept = [], [], []
+        for (seq, _, piece), tokens in zip(groups, emitted):
+            before = len(seq.output_ids)
+            for token in tokens:  # commit one at a time: a stop inside the kept drafts ends the output there
+                seq.output_ids.append(token)
+                if seq.is_finished():
+                    break
+            kept.append(len(seq.output_ids) - before)
+            last.append(seq.output_ids.pop())  # postprocess appends it, and retires the finished
+            if piece.decode and seq is piece.seq:
+                self.spec.record(len(getattr(piece, "drafts", ())), len(tokens) - 1, len(tokens))
+                self.scheduler.roll_back(seq, seq.num_tokens + 1)  # committed: what it kept, plus `last`
+                decodes.append(seq)
+        self.stats.record(batch, self.allocator.num_blocks - self.allocator.num_free, self.block_size)
+        self.scheduler.register_written(decodes)  # num_cached now counts verified tokens only
+        sampled = [seq for seq, _, _ in groups]
+        finished = self.scheduler.postprocess(sampled, last)
+        now = self.timer()
+        for (seq, _, _), count in zip(groups, kept):
+            for _ in range(count):  # every token of the step came at its end
+                self.timing[seq.seq_id].stamp(self.clock, now)
+        self.trim_histories()
+        return finished
+
+    def with_drafts(self, plan: list[Slice], limits: list[int]) -> list[Slice]:
+        """Each decode with room for drafts asks the drafter, and becomes a verify slice if it got any."""
+        asked = [i for i, k in enumerate(limits) if k]
+        if not asked:
+            return plan
+        drafts = self.drafter.propose([plan[i] for i in asked], [limits[i] for i in asked])
+        plan = list(plan)
+        for i, draft in zip(asked, drafts):
+            k = min(len(draft.tokens), limits[i])
+            if k:
+                probs = None if draft.probs is None else draft.probs[:k]
+                plan[i] = VerifySlice.of_decode(plan[i], draft.tokens[:k], probs)
+        return plan
+
+    def choose(self, groups: list[tuple[SharedSequence, torch.Tensor, Slice]]) -> list[list[int]]:
+        """Per sequence, the tokens to append: one for a prompt's end or a plain decode, 1 .. k+1 for a verify
+        slice (the accepted drafts, then the target's own). Rows without drafts are sampled together, as L4 does."""
+        out: list[list[int]] = [[] for _ in groups]
+        plain = [i for i, (_, _, piece) in enumerate(groups) if not isinstance(piece, VerifySlice)]
+        if plain:
+            rows = torch.stack([groups[i][1][-1] for i in plain])
+            seqs = [groups[i][0] for i in plain]
+            for i, token in zip(plain, sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs])):
+                out[i] = [token]
+        for i, (seq, rows, piece) in enumerate(groups):
+            if isinstance(piece, VerifySlice):
+                if piece.draft_probs is None or seq.sampling.greedy:
+                    out[i] = accept_one_hot(rows, piece.drafts, seq.sampling, seq.generator)
+                else:
+                    out[i] = accept_sampled(rows, piece.drafts, piece.draft_probs, seq.sampling, seq.generator)
+        return out
+
+
+class L11TpEngine(L11Engine, L10Engine):
+    """The same step on a model split across ranks: L10's runner sends each verify slice (its drafts are
+    tokens like any other) and every rank scores the same rows; the drafter runs on rank 0 only."""
