@@ -19,7 +19,7 @@ from lessons.l11_speculative.drafter import Drafter
 from lessons.l11_speculative.scheduler import SpecScheduler
 from lessons.l11_speculative.slice import VerifySlice
 from lessons.l11_speculative.stats import SpecStats
-from lessons.l11_speculative.verify import accept_one_hot, accept_sampled
+from lessons.l11_speculative.verify import accept_one_hot, accept_sampled, keep_while_equal
 from shared.errors import CourseError
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -63,31 +63,19 @@ class L11Engine(L9Engine):
                 self.prompt_slices[piece.seq_id] = self.prompt_slices.get(piece.seq_id, 0) + 1
         self.scheduler.register_written([p.seq for p in plan if not p.decode])  # decodes: after verification
 
-        groups: list[tuple[SharedSequence, torch.Tensor, Slice]] = []  # (sequence, its logits rows, its slice)
+        groups: list[tuple[SharedSequence, range, Slice]] = []  # (sequence, its rows of `logits`, its slice)
         row = 0
         for piece, width in zip(plan, widths):
             if not piece.samples:
                 continue
-            rows = logits[row:row + width]
+            rows = range(row, row + width)
             row += width
             groups.append((piece.seq, rows, piece))
             for child in self.scheduler.fork(piece.seq):  # n > 1: siblings sample from the parent's prompt row
                 groups.append((child, rows, piece))
-        emitted = self.choose(groups)
+        emitted = self.choose(logits, groups)
 
-        last, decodes, kept = [], [], []
-        for (seq, _, piece), tokens in zip(groups, emitted):
-            before = len(seq.output_ids)
-            for token in tokens:  # commit one at a time: a stop inside the kept drafts ends the output there
-                seq.output_ids.append(token)
-                if seq.is_finished():
-                    break
-            kept.append(len(seq.output_ids) - before)
-            last.append(seq.output_ids.pop())  # postprocess appends it, and retires the finished
-            if piece.decode and seq is piece.seq:
-                self.spec.record(len(getattr(piece, "drafts", ())), len(tokens) - 1, len(tokens))
-                self.scheduler.roll_back(seq, seq.num_tokens + 1)  # committed: what it kept, plus `last`
-                decodes.append(seq)
+        last, kept, decodes = self.commit(groups, emitted)
         self.stats.record(batch, self.allocator.num_blocks - self.allocator.num_free, self.block_size)
         self.scheduler.register_written(decodes)  # num_cached now counts verified tokens only
         sampled = [seq for seq, _, _ in groups]
@@ -98,6 +86,26 @@ class L11Engine(L9Engine):
                 self.timing[seq.seq_id].stamp(self.clock, now)
         self.trim_histories()
         return finished
+
+    def commit(self, groups: list[tuple[SharedSequence, range, Slice]],
+               emitted: list[list[int]]) -> tuple[list[int], list[int], list[SharedSequence]]:
+        """Append each sequence's tokens but its last (postprocess appends that one and retires the finished),
+        stopping at the first that finishes it; roll every decode back to what it kept. Returns the last tokens,
+        how many tokens each sequence got, and the decodes (their verified blocks are registered next)."""
+        last, kept, decodes = [], [], []
+        for (seq, _, piece), tokens in zip(groups, emitted):
+            before = len(seq.output_ids)
+            for token in tokens:  # one at a time: a stop inside the kept drafts ends the output there
+                seq.output_ids.append(token)
+                if seq.is_finished():
+                    break
+            kept.append(len(seq.output_ids) - before)
+            last.append(seq.output_ids.pop())
+            if piece.decode and seq is piece.seq:
+                self.spec.record(len(getattr(piece, "drafts", ())), len(tokens) - 1, len(tokens))
+                self.scheduler.roll_back(seq, seq.num_tokens + 1)  # its history: what it kept, then `last`
+                decodes.append(seq)
+        return last, kept, decodes
 
     def with_drafts(self, plan: list[Slice], limits: list[int]) -> list[Slice]:
         """Each decode with room for drafts asks the drafter, and becomes a verify slice if it got any."""
@@ -113,22 +121,28 @@ class L11Engine(L9Engine):
                 plan[i] = VerifySlice.of_decode(plan[i], draft.tokens[:k], probs)
         return plan
 
-    def choose(self, groups: list[tuple[SharedSequence, torch.Tensor, Slice]]) -> list[list[int]]:
+    def choose(self, logits: torch.Tensor, groups: list[tuple[SharedSequence, range, Slice]]) -> list[list[int]]:
         """Per sequence, the tokens to append: one for a prompt's end or a plain decode, 1 .. k+1 for a verify
-        slice (the accepted drafts, then the target's own). Rows without drafts are sampled together, as L4 does."""
+        slice (the accepted drafts, then the target's own)."""
+        if all(seq.sampling.greedy for seq, _, _ in groups):  # the common case: one argmax for the whole step
+            targets = logits.argmax(dim=-1).tolist()
+            return [keep_while_equal(getattr(piece, "drafts", []), targets[rows.start:rows.stop])
+                    for _, rows, piece in groups]
         out: list[list[int]] = [[] for _ in groups]
         plain = [i for i, (_, _, piece) in enumerate(groups) if not isinstance(piece, VerifySlice)]
-        if plain:
-            rows = torch.stack([groups[i][1][-1] for i in plain])
+        if plain:  # sampled together, as L4 does: each row still draws from its own request's generator
+            last_rows = [groups[i][1].stop - 1 for i in plain]
             seqs = [groups[i][0] for i in plain]
+            rows = logits if last_rows == list(range(len(logits))) else logits[last_rows]
             for i, token in zip(plain, sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs])):
                 out[i] = [token]
         for i, (seq, rows, piece) in enumerate(groups):
             if isinstance(piece, VerifySlice):
+                mine = logits[rows.start:rows.stop]
                 if piece.draft_probs is None or seq.sampling.greedy:
-                    out[i] = accept_one_hot(rows, piece.drafts, seq.sampling, seq.generator)
+                    out[i] = accept_one_hot(mine, piece.drafts, seq.sampling, seq.generator)
                 else:
-                    out[i] = accept_sampled(rows, piece.drafts, piece.draft_probs, seq.sampling, seq.generator)
+                    out[i] = accept_sampled(mine, piece.drafts, piece.draft_probs, seq.sampling, seq.generator)
         return out
 
 

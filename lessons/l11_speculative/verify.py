@@ -24,13 +24,7 @@ def accept_one_hot(logits: torch.Tensor, drafts: list[int], params: SamplingPara
                    generator: torch.Generator | None) -> list[int]:
     """Drafts proposed with certainty: keep d(j+1) while the target's own token for row j equals it."""
     if params.greedy:  # one argmax over all rows: no random numbers, nothing to stop early for
-        targets = logits.argmax(dim=-1).tolist()
-        out = []
-        for draft, target in zip(drafts, targets):
-            out.append(target)
-            if target != draft:
-                return out
-        return out + [targets[len(drafts)]]
+        return keep_while_equal(drafts, logits.argmax(dim=-1).tolist())
     out = []
     for j in range(len(drafts) + 1):
         token = sample_row(logits[j], params, generator)  # one uniform per emitted token, as without drafts
@@ -38,6 +32,15 @@ def accept_one_hot(logits: torch.Tensor, drafts: list[int], params: SamplingPara
         if j == len(drafts) or token != drafts[j]:
             return out
     return out
+
+
+def keep_while_equal(drafts: list[int], targets: list[int]) -> list[int]:
+    """The greedy rule on the target's k+1 choices: its tokens up to and including the first that is not the
+    draft in its place (all k+1 when every draft matched)."""
+    for j, draft in enumerate(drafts):
+        if targets[j] != draft:
+            return targets[:j + 1]
+    return targets[:len(drafts) + 1]
 
 
 def accept_sampled(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor, params: SamplingParams,
