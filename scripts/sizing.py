@@ -244,6 +244,61 @@ def topic_chunk() -> None:
           f"{weights / H100_HBM_BYTES_PER_S * 1e3:.1f} ms")
 
 
+SPEC_BATCHES, SPEC_QUERIES, SPEC_CONTEXT = (1, 4, 16, 64), (1, 2, 4, 8, 16), 4096
+
+
+def spec_forward(cfg: Qwen3Config, nbytes: int, batch: int, q: int, context: int) -> tuple[float, float]:
+    """(bytes moved, FLOP) of one verify forward: `batch` requests each feeding q tokens after `context` in the
+    pool. Bytes: the layers' matmul weights and the LM head once, each request's KV read once, every matmul's
+    input and output per token (unfused, as in topic_chunk). FLOP: 2 per matmul weight per token, the LM head
+    on every row (a verify step scores all q), attention's QK and PV over about `context` keys per query."""
+    _, matmul = params(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    with torch.device("meta"):
+        linears = [m for m in Qwen3ForCausalLM(cfg).model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    act = sum(m.in_features + m.out_features for m in linears) * nbytes
+    tokens = batch * q
+    moved = (matmul + head) * nbytes + batch * context * cfg.kv_bytes_per_token(nbytes) + act * tokens
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+    return moved, tokens * (2 * matmul + 2 * head + attention)
+
+
+def spec_crossing(cfg: Qwen3Config, nbytes: int, batch: int, context: int, share: float = 1.0) -> float:
+    """The q at which one forward's FLOP time (at `share` of the bf16 peak) reaches its read time (both
+    linear in q): past it, each more query token per request costs matmul time."""
+    b0, _ = spec_forward(cfg, nbytes, batch, 0, context)
+    b1, f1 = spec_forward(cfg, nbytes, batch, 1, context)
+    ridge = share * H100_BF16_FLOPS / H100_HBM_BYTES_PER_S
+    return ridge * b0 / (f1 - ridge * (b1 - b0))
+
+
+def topic_spec() -> None:
+    name, ctx = "Qwen3-8B", SPEC_CONTEXT
+    cfg, nbytes = MODELS[name]
+    b0, f1 = spec_forward(cfg, nbytes, 1, 0, ctx)[0], spec_forward(cfg, nbytes, 1, 1, ctx)[1]
+    kv = ctx * cfg.kv_bytes_per_token(nbytes)
+    print(f"{name} bf16 on an H100 SXM, one verify forward: B requests each feed q tokens (K = q - 1 drafts) after "
+          f"{ctx:,} in the pool; time = max(bytes / {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s, FLOP / "
+          f"{H100_BF16_FLOPS / 1e12:.0f} TFLOP/s)")
+    print(f"  read once: weights and LM head {(b0 - kv) / 1e9:.1f} GB, plus {kv / 1e9:.2f} GB of KV per request; "
+          f"per query token {f1 / 1e9:.1f} GFLOP (matmuls, LM head, attention over {ctx:,} keys)")
+    print(f"  {'B':>3} {'q':>3} {'tokens':>6} {'read':>9} {'FLOP time':>10} {'forward':>9} {'x q=1':>6}  bound by")
+    for batch in SPEC_BATCHES:
+        base = None
+        for q in SPEC_QUERIES:
+            moved, flop = spec_forward(cfg, nbytes, batch, q, ctx)
+            read, compute = moved / H100_HBM_BYTES_PER_S, flop / H100_BF16_FLOPS
+            step = max(read, compute)
+            base = base or step
+            print(f"  {batch:>3} {q:>3} {batch * q:>6,} {read * 1e3:>6.2f} ms {compute * 1e3:>7.2f} ms "
+                  f"{step * 1e3:>6.2f} ms {step / base:>5.2f}x  {'reads' if read >= compute else 'FLOP'}")
+    print("  the q where FLOP time reaches read time (past it, each more token costs matmul time): "
+          + ", ".join(f"B = {b}: q = {spec_crossing(cfg, nbytes, b, ctx):.1f}" for b in SPEC_BATCHES))
+    print("  the same with the matmuls at 40% of the bf16 peak: "
+          + ", ".join(f"B = {b}: q = {spec_crossing(cfg, nbytes, b, ctx, 0.4):.1f}" for b in SPEC_BATCHES))
+    print("  (a roofline: kernels at peak, nothing overlapped or lost; a real step of few rows reaches neither peak)")
+
+
 TP_MODELS = ("Qwen3-8B", *QWEN3_LARGER)  # bf16, like MODELS' Qwen3 entries; 14B and 32B only in this topic
 TP_SIZES, TP_REQUEST_TOKENS, TP_DECODE_T, TP_PREFILL_T = (1, 2, 4, 8), 4096, 64, 4096
 
@@ -409,7 +464,7 @@ def topic_parallel() -> None:
 
 TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
           "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk,
-          "tp": topic_tp, "tp-comm": topic_tp_comm, "parallel": topic_parallel}
+          "spec": topic_spec, "tp": topic_tp, "tp-comm": topic_tp_comm, "parallel": topic_parallel}
 
 
 def main() -> None:
