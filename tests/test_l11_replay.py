@@ -233,3 +233,34 @@ def test_a_batch_with_rejections_everywhere_gives_l9s_outputs(tiny_model, prompt
     assert 0 < s.accepted < s.drafted
     assert sum(s.accepted_at) == s.accepted
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5])
+def test_drafts_take_only_the_budget_the_step_leaves(tiny_model, budget):
+    """Two requests a step apart, every draft right, token budgets below K + 1: no step computes more than the
+    budget (a decode with k drafts costs k + 1), budget 1 leaves no room for any draft, and the outputs are L9's."""
+    prompts = [PROMPT, [7, 8, 9]]
+    stop = ignore_eos(tiny_model, 12)
+    want = l9_outputs(tiny_model, prompts, stop)
+    engine = spec_engine(tiny_model, {tuple(p): o for p, o in zip(prompts, want)}, max_batched_tokens=budget)
+    assert engine.generate_batch(prompts, stop, stagger=1) == want
+    assert max(engine.step_tokens) <= budget
+    assert (engine.spec.drafted == 0) == (budget == 1)
+    assert engine.spec.accepted == engine.spec.drafted
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("name,corrupt", [("none-wrong", lambda seq, pos: False), ("every-3rd", every_nth_wrong(3))])
+def test_seeded_sampling_with_drafts_gives_l9s_tokens(tiny_model, name, corrupt):
+    """Sampled (temperature 0.9, top-p 0.95), each request with its engine-derived seed: replaying L9's own
+    sampled output is accepted in full (the one-hot rule draws what L9 drew, one uniform per token), corrupted
+    drafts are rejected, and either way the tokens are L9's."""
+    prompts = [PROMPT, [7, 8, 9]]
+    stop, sampling = ignore_eos(tiny_model), SamplingParams(temperature=0.9, top_p=0.95)
+    want = l9_outputs(tiny_model, prompts, stop, sampling)
+    engine = spec_engine(tiny_model, {tuple(p): o for p, o in zip(prompts, want)}, corrupt)
+    assert engine.generate_batch(prompts, stop, sampling) == want
+    s = engine.spec
+    assert s.drafted > 0
+    assert (s.accepted == s.drafted) == (name == "none-wrong")
+    assert_no_leak(engine)
