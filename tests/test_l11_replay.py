@@ -221,7 +221,8 @@ def test_max_tokens_caps_the_drafts_and_the_output(tiny_model, expected, max_new
 # --- many requests at once --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,corrupt", [("every-3rd", every_nth_wrong(3)), ("rate-0.4", wrong_with_rate(0.4, 7))])
+@pytest.mark.parametrize("name,corrupt", [("every-3rd", every_nth_wrong(3)), ("rate-0.4", wrong_with_rate(0.4, 7))],
+                         ids=["every-3rd", "rate-0.4"])
 def test_a_batch_with_rejections_everywhere_gives_l9s_outputs(tiny_model, prompt_ids, name, corrupt):
     """The four shared prompts (one spans many blocks) arriving a step apart, rejections at many positions of
     many rows: every output is L9's, and the pool comes back whole."""
@@ -250,13 +251,14 @@ def test_drafts_take_only_the_budget_the_step_leaves(tiny_model, budget):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("name,corrupt", [("none-wrong", lambda seq, pos: False), ("every-3rd", every_nth_wrong(3))])
+@pytest.mark.parametrize("name,corrupt", [("none-wrong", lambda seq, pos: False), ("every-3rd", every_nth_wrong(3))],
+                         ids=["none-wrong", "every-3rd"])
 def test_seeded_sampling_with_drafts_gives_l9s_tokens(tiny_model, name, corrupt):
-    """Sampled (temperature 0.9, top-p 0.95), each request with its engine-derived seed: replaying L9's own
+    """Sampled (temperature 0.9, top-k 40), each request with its engine-derived seed: replaying L9's own
     sampled output is accepted in full (the one-hot rule draws what L9 drew, one uniform per token), corrupted
     drafts are rejected, and either way the tokens are L9's."""
     prompts = [PROMPT, [7, 8, 9]]
-    stop, sampling = ignore_eos(tiny_model), SamplingParams(temperature=0.9, top_p=0.95)
+    stop, sampling = ignore_eos(tiny_model), SamplingParams(temperature=0.9, top_k=40)
     want = l9_outputs(tiny_model, prompts, stop, sampling)
     engine = spec_engine(tiny_model, {tuple(p): o for p, o in zip(prompts, want)}, corrupt)
     assert engine.generate_batch(prompts, stop, sampling) == want
