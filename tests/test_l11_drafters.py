@@ -200,7 +200,8 @@ class WatchedDraft(DraftModelDrafter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.limits: list[list[int]] = []
-        self.refeeds: list[tuple[int, bool, int, int]] = []  # (request, new table?, first fed position, trusted)
+        # (request, a new table since its last proposal?, first position this catch-up feeds, that proposal's n)
+        self.refeeds: list[tuple[int, bool, int, int]] = []
 
     def propose(self, decodes, limits):
         self.limits.append(list(limits))
@@ -244,7 +245,8 @@ def test_after_a_preemption_the_draft_refeeds_from_the_first_changed_block(tiny_
     """A pool too small for three requests' 40 tokens each: the newest is preempted mid-decode, with draft
     state, and readmitted with a table that keeps only its first blocks (prefix-cache hits). Its catch-up starts
     at the first block that changed, not where it last drafted, so the draft never reads another request's rows:
-    acceptance stays 100% (trusting the old positions drops it to about two thirds) and the output is L9's."""
+    acceptance stays 100% (a trusted() that ignored the new table lost a third of the drafts here when this test
+    was written) and the output is L9's."""
     stop = stop_for(tiny_model, 40)
     prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
     want = L9Engine(tiny_model, BLOCK, 22, backend="torch").generate_batch(prompts, stop, stagger=2)

@@ -75,8 +75,8 @@ def expected(tiny_model) -> list[int]:
 def test_first_verify_row_keeps_exactly_the_drafts_before_the_wrong_one(tiny_model, expected, j):
     """Step 1 is the prompt (output position 0); step 2's row drafts output positions 1 .. K. Corrupting
     position 1 + j makes draft j the first wrong one: the row emits drafts 0 .. j-1 and the target's own token
-    at 1 + j (the true one, not the corrupted draft). j = K corrupts nothing in this row (position 1 + K is the
-    row's bonus token, which the next row's first draft would replay): all K drafts plus the bonus."""
+    at 1 + j (the true one, not the corrupted draft). j = K corrupts nothing (position 1 + K is the row's bonus
+    token, which no draft proposes: the next row starts at 2 + K): all K drafts plus the bonus."""
     engine = spec_engine(tiny_model, {tuple(PROMPT): expected}, corrupt=lambda seq, pos: pos == 1 + j)
     seq = engine.add_request(PROMPT, ignore_eos(tiny_model))
     engine.step()
@@ -138,8 +138,8 @@ class WatchedReplay(ReplayDrafter):
 def test_drafts_across_a_block_boundary_roll_back_to_the_kept_end(tiny_model, expected, j, blocks_after):
     """The first verify row feeds position 5 and drafts 6 .. 9: its table grows to blocks_for(10) = 3 blocks
     for the step. After the row keeps j drafts the request has 1 + j + 1 outputs, 5 + 2 + j tokens: with j <= 1
-    block 2 (positions 8 .. 11) held only rejected drafts and goes back to the pool; with j >= 2 a kept draft
-    lives in it and it stays."""
+    block 2 (positions 8 .. 11) held only rejected drafts and goes back to the pool; with j >= 2 a committed
+    token lives in it (the target's correction at position 8 when j = 2, kept drafts when j = K) and it stays."""
     drafter = WatchedReplay({tuple(PROMPT): expected}, tiny_model.config.vocab_size, lambda seq, pos: pos == 1 + j)
     engine = L11Engine(tiny_model, BLOCK, backend="torch", drafter=drafter, num_speculative_tokens=K)
     seq = engine.add_request(PROMPT, ignore_eos(tiny_model))
