@@ -351,11 +351,11 @@ class EngineLoop:
                 new = seq.output_ids[choice.sent:]
                 if choice.finish_reason is not None or not new:
                     continue
-                choice.sent += len(new)
                 latency = self.metrics.ttft if choice.last_token_at is None else self.metrics.itl
-                latency.observe(now - (choice.last_token_at or job.arrival))
+                latency.observe(now - (choice.last_token_at or job.arrival))  # one per step, however many tokens
                 choice.last_token_at = now
-                text = choice.stops.push(choice.detokenizer.push(new))
+                text, new = self._text_of(choice, new)
+                choice.sent += len(new)
                 if not choice.stops.stopped and seq.status is Status.FINISHED:
                     text += choice.stops.push(choice.detokenizer.flush())  # a split character is never finished
                     text += choice.stops.flush()
@@ -370,6 +370,23 @@ class EngineLoop:
             if all(c.finish_reason is not None for c in job.choices):
                 self.outbox.put(job.subscriber, Finished(len(job.prompt_ids), sum(c.sent for c in job.choices)))
                 self._end(request_id, None)
+
+    @staticmethod
+    def _text_of(choice: Choice, new: list[int]) -> tuple[str, list[int]]:
+        """The text a step's new tokens release, and the tokens it came from: all of them, unless a stop string
+        completes at one of them. A step of L11's may bring several tokens (accepted drafts): they are fed one
+        at a time then, so the output ends at the token where it would end one token per step, and the Delta's
+        tokens and the usage count stop there too. The text is the same either way (both stages are
+        incremental); only the token where a stop completes needs the loop, so one token, or no stop
+        strings, costs one call."""
+        if len(new) == 1 or not choice.stops.stops:
+            return choice.stops.push(choice.detokenizer.push(new)), new
+        pieces = []
+        for used, token in enumerate(new, 1):
+            pieces.append(choice.stops.push(choice.detokenizer.push([token])))
+            if choice.stops.stopped:
+                return "".join(pieces), new[:used]
+        return "".join(pieces), new
 
     def _finish_reason(self, seq: SharedSequence, req: GenerationRequest) -> str:
         last = seq.output_ids[-1]
