@@ -46,9 +46,15 @@ class ServerMetrics:
         self.itl = Histogram(PREFIX + "inter_token_seconds", "Between two tokens of one output.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self._preemptions_seen = 0
+        self.spec: SpecMetrics | None = None  # L11: made at the first update from an engine that drafts
 
     def update(self, engine: L9Engine) -> None:
         """Called by the engine thread after each step."""
+        spec = getattr(engine, "spec", None)  # L11's SpecStats; L9's and L10's engines have none
+        if spec is not None:
+            if self.spec is None:
+                self.spec = SpecMetrics(self.registry)
+            self.spec.update(spec)
         sched, alloc, stats = engine.scheduler, engine.allocator, engine.stats
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
@@ -61,3 +67,27 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecMetrics:
+    """L11's speculation, from the engine's SpecStats: registered only for an engine that has them, so an L9 or
+    L10 server's /metrics is unchanged. The counters are vLLM's spec-decode counters under this server's prefix."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.drafts = Counter(PREFIX + "spec_drafts", "Decode rows verified with at least one draft token.",
+                              registry=registry)
+        self.draft_tokens = Counter(PREFIX + "spec_draft_tokens", "Draft tokens proposed and verified.",
+                                    registry=registry)
+        self.accepted_tokens = Counter(PREFIX + "spec_accepted_tokens", "Draft tokens equal to the target's own "
+                                       "choice (kept).", registry=registry)
+        self.mean_accepted_length = Gauge(PREFIX + "spec_mean_accepted_length", "Tokens per verified row so far: "
+                                          "1 + accepted draft tokens / drafts (0 before the first draft).",
+                                          registry=registry)
+        self._seen = (0, 0, 0)  # (verify rows, drafted, accepted) already counted
+
+    def update(self, spec) -> None:
+        now = (spec.verify_rows, spec.drafted, spec.accepted)
+        for counter, value, seen in zip((self.drafts, self.draft_tokens, self.accepted_tokens), now, self._seen):
+            counter.inc(value - seen)
+        self._seen = now
+        self.mean_accepted_length.set(spec.mean_accepted_length)
