@@ -4,6 +4,7 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py                      # the embedded tiny model on http://127.0.0.1:8000/v1
     python scripts/serve.py --model DIR --port 0 # a checkpoint directory, on a free port
     python scripts/serve.py --tp 2               # L10: the model split across two ranks (gloo on CPU)
+    python scripts/serve.py --speculative ngram  # L11: drafts (prompt lookup, or --speculative draft) verified each step
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
@@ -41,8 +42,12 @@ from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S  # noqa: E402
 from lessons.l10_tensor_parallel.launch import follow_if_torchrun, start  # noqa: E402
 from lessons.l10_tensor_parallel.layout import check_tp  # noqa: E402
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM  # noqa: E402
+from lessons.l11_speculative import L11Engine, L11TpEngine  # noqa: E402
+from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
+from lessons.l11_speculative.engine import DEFAULT_NUM_SPECULATIVE_TOKENS  # noqa: E402
+from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
-from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
+from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
 from shared.errors import CourseError, RunFailure  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
@@ -82,6 +87,14 @@ def parser() -> OneLineParser:
                    help="ranks the model is split across (L10; default: 1, L9's single-rank engine)")
     p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a rank waits in a collective before the engine fails (default: {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--speculative", choices=("ngram", "draft"),
+                   help="L11: draft tokens each decode step, verified in the same forward: ngram (prompt lookup) "
+                        "or draft (a draft model, --draft-model) (default: none, L9's and L10's engine)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help=f"most draft tokens per request per step (default: {DEFAULT_NUM_SPECULATIVE_TOKENS}; "
+                        f"needs --speculative)")
+    p.add_argument("--draft-model", help="with --speculative draft: a Qwen3 checkpoint directory or hub id with the "
+                   "target's tokenizer (default: the target's own checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
@@ -165,6 +178,39 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_speculation(args) -> None:
+    """L11's flags, refused before anything loads when they cannot mean anything."""
+    if args.speculative is None and args.num_speculative_tokens is not None:
+        raise CourseError("--num-speculative-tokens needs --speculative ngram or --speculative draft")
+    if args.draft_model is not None and args.speculative != "draft":
+        raise CourseError("--draft-model needs --speculative draft")
+    if args.num_speculative_tokens is not None:
+        positive(args.num_speculative_tokens, "--num-speculative-tokens")
+    if args.draft_model is not None:
+        path = Path(args.draft_model).expanduser()
+        if path.exists() and not path.is_dir():
+            raise CourseError(f"--draft-model {args.draft_model}: not a directory")
+        if not path.exists() and not HUB_ID.match(args.draft_model):
+            raise CourseError(f"--draft-model {args.draft_model}: no such directory")
+
+
+def make_drafter(args, model_dir: Path, dtype: torch.dtype, device: torch.device):
+    """L11's drafter for --speculative (None without it), and what the `engine:` line adds about it."""
+    if args.speculative is None:
+        return None, ""
+    k = args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+    if args.speculative == "ngram":
+        return NgramDrafter(), f" · speculative ngram k={k}"
+    # A checkpoint drafting for itself guesses what it will say (acceptance ~100% greedy) and saves nothing: a
+    # demonstration and a test, not a speed-up. A real draft model is a smaller one with the same tokenizer.
+    draft_dir = model_dir if args.draft_model is None else resolve_model_dir(args.draft_model, lambda: model_dir)
+    Qwen3Config.from_dir(draft_dir)
+    tensor_shapes(draft_dir)  # missing or corrupt weights fail here, before loading
+    whose = " (the target's own checkpoint)" if args.draft_model is None else ""
+    drafter = DraftModelDrafter(Qwen3ForCausalLM.from_dir(draft_dir, dtype, device), args.backend)
+    return drafter, f" · speculative draft k={k} · draft-model {draft_dir}{whose}"
+
+
 def build(args) -> tuple[Server, socket.socket]:
     for value, name in ((args.max_waiting, "--max-waiting"), (args.default_max_tokens, "--default-max-tokens"),
                         (args.max_body_bytes, "--max-body-bytes")):
@@ -179,6 +225,7 @@ def build(args) -> tuple[Server, socket.socket]:
             raise CourseError(f"{module} is not installed: pip install 'uvicorn[standard]', or keep the default")
     if not 0 <= args.port < 65536:
         raise CourseError(f"--port must be in [0, 65535], got {args.port}")
+    check_speculation(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model_dir = resolve_model_dir(args.model, default_model_dir)
@@ -187,19 +234,25 @@ def build(args) -> tuple[Server, socket.socket]:
     tokenizer = load_tokenizer(model_dir)
     token_bytes = TokenBytes(tokenizer)
     sock = listen(args.host, args.port)  # before loading the model: a busy port is reported in a second
+    drafter, spec_line = make_drafter(args, model_dir, dtype, device)  # a bad draft model fails before any rank starts
     if args.tp == 1:
         engine_class, model = L9Engine, Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
     else:  # L10: rank 0 (this process) serves; the other ranks follow its steps
         check_tp(config, args.tp)
         engine_class, model = L10Engine, TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
+    speculation = {}  # without --speculative: L9's engine (L10's at --tp > 1), exactly as before
+    if drafter is not None:  # L11: the same engine with drafts in its decode rows
+        engine_class = L11Engine if args.tp == 1 else L11TpEngine
+        speculation = dict(drafter=drafter,
+                           num_speculative_tokens=args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS)
     engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
                           graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
                           max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
-                          long_prefill_threshold=args.long_prefill_threshold, seed=args.seed)
+                          long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation)
     engine.stats.record_timeline = False
     # What a benchmark's conditions line needs from the server itself: the backend `auto` resolved to, the threads.
     print(f"engine: backend {engine.runner.backend.name} · threads {torch.get_num_threads()} · device {device.type}"
-          f" · dtype {str(dtype).removeprefix('torch.')}", flush=True)
+          f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}", flush=True)
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
     served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,
