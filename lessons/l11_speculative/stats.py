@@ -9,6 +9,7 @@ class SpecStats:
     verify_rows: int = 0  # decode rows that carried at least one draft
     plain_rows: int = 0  # decode rows without drafts (budget, blocks, max tokens, or no guess)
     drafted: int = 0  # draft tokens proposed and verified
+    # Counted as verification decided, before a stop cuts the output (as vLLM counts): they measure the drafter.
     accepted: int = 0  # of those, equal to the target's own choice
     emitted: int = 0  # tokens decode rows produced (accepted drafts + one of the target's own per row)
     accepted_at: list[int] = field(default_factory=list)  # [j]: proposals whose draft j+1 was accepted
