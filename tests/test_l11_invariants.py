@@ -122,7 +122,8 @@ def check_step(engine, seqs: list, plan: list) -> None:
         if id(seq) in sampled:  # a decode (with or without drafts) or a prompt's last slice
             assert seq.num_cached == seq.num_tokens - 1, (seq.seq_id, seq.num_cached, seq.num_tokens)
         assert blocks_for(seq.num_cached, S) <= len(seq.blocks) <= blocks_for(seq.num_tokens, S), \
-            (seq.seq_id, len(seq.blocks), seq.num_cached, seq.num_tokens)
+            (f"request {seq.seq_id}: {len(seq.blocks)} blocks for {seq.num_cached} cached of {seq.num_tokens} tokens "
+             f"(blocks of {S})")
     for seq in seqs:
         if seq.status is not Status.RUNNING:
             assert seq.blocks == [] and seq not in running
@@ -131,9 +132,9 @@ def check_step(engine, seqs: list, plan: list) -> None:
     tables = Counter(b for seq in running for b in seq.blocks)
     tables[engine.dummy_block] += 1
     free, lru = list(alloc._free), list(alloc._lru)
-    assert len(set(free)) == len(free) and not set(free) & set(lru)
+    assert len(set(free)) == len(free) and not set(free) & set(lru), "a block twice on the free lists"
     for b in range(alloc.num_blocks):
-        assert alloc.ref[b] == tables[b], f"block {b}: ref {alloc.ref[b]}, in {tables[b]} table(s)"
+        assert alloc.ref[b] == tables[b], f"block {b}: ref {alloc.ref[b]}, in {tables[b]} table(s) (leaked or lost)"
         if alloc.ref[b] == 0:
             assert (b in lru) == engine.cache.is_cached(b) and (b in free) != (b in lru), f"block {b} lost"
     assert alloc.num_free == len(free) + len(lru)
@@ -145,14 +146,16 @@ def check_step(engine, seqs: list, plan: list) -> None:
         for i, b in enumerate(seq.blocks):
             held_at.setdefault(b, []).append((seq, i))
     for block, (key, prefix) in engine.cache.entry.items():
-        assert prefix and len(prefix) % S == 0, f"block {block}: a prefix of {len(prefix)} tokens"
-        assert engine.cache.block_of[key] == block
-        assert chain_keys(list(prefix), [], S, len(prefix) // S, engine.cache.hash_fn)[-1] == key
+        assert prefix and len(prefix) % S == 0, f"cached block {block}: {len(prefix)} tokens, not whole blocks"
+        assert engine.cache.block_of[key] == block, f"cached block {block}: its key names another block"
+        assert chain_keys(list(prefix), [], S, len(prefix) // S, engine.cache.hash_fn)[-1] == key, \
+            f"cached block {block}: its key is not the hash chain of its {len(prefix)} tokens (keyed from other tokens)"
         assert any(len(t) >= len(prefix) and tuple(t[:len(prefix)]) == prefix for t in streams), \
             f"block {block}: its prefix is no request's committed tokens"
         for seq, i in held_at.get(block, []):
             end = (i + 1) * S
-            assert len(prefix) == end and tuple(seq.all_tokens()[:end]) == prefix, (block, seq.seq_id, i)
+            assert len(prefix) == end and tuple(seq.all_tokens()[:end]) == prefix, \
+                f"cached block {block}: not the tokens request {seq.seq_id} holds it for (table index {i})"
             assert end <= seq.num_cached, f"block {block} cached before request {seq.seq_id} verified it"
 
 

@@ -263,7 +263,7 @@ def test_ngram_drafts_on_outputs_that_repeat_themselves(tiny_model, hf, tokenize
     assert_no_leak(engine)
 
 
-# --- 6. two ranks ------------------------------------------------------------------------------------------------------
+# --- 6. two ranks --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,11 @@ L6_RANDOM = ("tests/test_l6_scheduler.py", "-k", "random")
 L8S = "lessons/l8_chunked_prefill/scheduler.py"
 L8_BUDGETS = ("tests/test_l8_parity.py", "-k", "any_budget")
 L8_RANDOM = ("tests/test_l8_scheduler.py", "-k", "random")
+L11E = "lessons/l11_speculative/engine.py"
+L11S = "lessons/l11_speculative/scheduler.py"
+L11V = "lessons/l11_speculative/verify.py"
+L11_INVARIANTS = ("tests/test_l11_invariants.py::test_every_step_keeps_the_invariants",)
+L11_MATRIX = ("tests/test_l11_parity.py", "-k", "replay_drafts_keep_parity")
 L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
 
 MUTATIONS: list[Mutation] = [
@@ -374,4 +379,34 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_l10_tp.py::test_smoke_tp4_replicates_kv_heads_and_matches",
               "tests/test_l10_units.py::test_split_model_in_threads_agrees_with_the_whole_model",
               "tests/test_l10_units.py::test_kv_replication_rank_keeps_head_rank_times_hkv_over_tp")),
+    # --- L11: speculative decoding ---
+    Mutation("l11-ex-drafts-cached", "L11 exercise", "the step counts a verify slice's drafts as cached (L8's "
+             "`seq.num_cached = piece.num_cached` for every slice) and registers decodes with the prompt slices, "
+             "before verification: blocks holding drafts enter the prefix cache (docs/l11_speculative.md, exercise)",
+             L11E, "            if not piece.decode:\n"
+             "                piece.seq.num_cached = piece.num_cached  # a prompt slice: all it fed is real\n",
+             "            piece.seq.num_cached = piece.num_cached  # as in L8: every position fed counts\n"
+             "            if not piece.decode:\n",
+             L11_INVARIANTS,
+             more=((L11E, "self.scheduler.register_written([p.seq for p in plan if not p.decode])",
+                    "self.scheduler.register_written(batch)"),)),
+    Mutation("l11-rollback-keeps-tail", "L11 speculative", "the rollback resets num_cached but keeps the blocks "
+             "reserved for rejected drafts in the table", L11S,
+             "        keep = blocks_for(end, self.block_size)\n        if len(seq.blocks) > keep:",
+             "        keep = blocks_for(end, self.block_size)\n        if False:", L11_INVARIANTS),
+    Mutation("l11-rollback-leaks", "L11 speculative", "the rollback cuts the table but never frees the blocks past "
+             "the kept end", L11S, "            self.allocator.free(tail)\n", "", L11_MATRIX),
+    Mutation("l11-rollback-off-by-one", "L11 speculative", "the rollback counts the last kept token as cached "
+             "(num_cached = end): it is never fed", L11S, "seq.num_cached = end - 1", "seq.num_cached = end",
+             L11_MATRIX),
+    Mutation("l11-keeps-wrong-draft", "L11 speculative", "the greedy rule keeps the rejected draft instead of the "
+             "target's own token at the first mismatch", L11V, "            return targets[:j + 1]",
+             "            return targets[:j] + [draft]", L11_MATRIX),
+    Mutation("l11-sampled-every-row", "L11 speculative", "the one-hot rule on sampled rows draws every row up front "
+             "(one uniform per row, not per emitted token): the law holds, the seeded tokens are not L9's", L11V,
+             "    for j in range(len(drafts) + 1):\n"
+             "        token = sample_row(logits[j], params, generator)  # one uniform per emitted token, as without drafts\n",
+             "    rows = [sample_row(logits[j], params, generator) for j in range(len(drafts) + 1)]\n"
+             "    for j in range(len(drafts) + 1):\n        token = rows[j]\n",
+             ("tests/test_l11_parity.py", "-k", "seeded_forks")),
 ]
