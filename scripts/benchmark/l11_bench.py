@@ -2,6 +2,9 @@
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py curve [--models tiny,bench] [--batches 1,4,16]
         [--queries 1,2,4,8,16] [--history 512] [--rounds 20] [--json PATH] [--png PATH]
+    OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py speedup [--model bench|tiny] [--batches 1,4,16]
+        [--alphas 0,0.5,0.8,1] [--k 4] [--prompt-len 32-64] [--max-new-tokens 64] [--rounds 5] [--no-ngram]
+        [--json PATH] [--png PATH]
 
 `curve`: one forward of L8's ChunkedRunner (the engine's own runner, pool and attention backend) over a batch
 of decode slices, each feeding q query tokens after a history already in the pool. That is exactly what a
@@ -24,11 +27,27 @@ largest matmul of a verify step, to show what the CPU's matmul kernel does with 
 cost the same at M = 2 as at M = 1: a weight-bound kernel would, one that reads the weights once per row
 would not).
 
-A second subcommand (`speedup`, the engine against itself without speculation) fits beside `curve`.
+`speedup`: L11's engine with a drafter against the same engine without one (drafter=None, exactly L9's), in
+one process, fp32, one thread, graphs on as the engine's default (plain decode steps take L7's static-buffer
+path; a step with any verify slice runs eagerly). Per batch B (1, 4, 16): B distinct prompts of --prompt-len
+tokens, each "<instruction> <random passage> <instruction: repeat it>", all arriving at once, --max-new-tokens
+each with EOS ignored, a fresh engine per run whose budget prefills the batch in one step and holds
+B x (K + 1) decode tokens. Only decode steps are timed (every request already has its first token), so the
+ratio is decode throughput's. An untimed reference run without drafts gives each prompt's greedy output; then
+--rounds rounds, each running every system once in harness.alternate's order: no drafter, the replay drafter
+at each --alphas rate (it proposes the reference output, each draft wrong with probability 1 - alpha,
+seeded per round), and the n-gram drafter. Every run's outputs must equal the reference, else the benchmark
+stops (exit status 1). Reported per (batch, drafter): the speed-up (the plain run's decode time over this
+one's in the same round; median and range), tokens per target forward and per decode row, the measured
+acceptance beside what the rate predicts, mean accepted length beside (1 - a^(K+1)) / (1 - a), the step's
+cost in plain decode steps; per batch the break-even acceptance (interpolated where the speed-up crosses 1,
+and where the formula meets the measured verify cost); and whether the target holds: at acceptance 0.8 and
+K = 4, at least 2x the plain engine's decode throughput at batch 1 on the bench shape, one thread.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -46,8 +65,12 @@ from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
 from lessons.l4_continuous.sequence import Sequence  # noqa: E402
 from lessons.l8_chunked_prefill.runner import ChunkedRunner  # noqa: E402
 from lessons.l8_chunked_prefill.slice import Slice  # noqa: E402
+from lessons.l11_speculative import L11Engine  # noqa: E402
+from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
+from lessons.l11_speculative.replay import ReplayDrafter, wrong_with_rate  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
+from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
@@ -203,6 +226,335 @@ def curve(args) -> None:
         plot(rows, args.png, conditions, console)
 
 
+# ----- speedup: the engine with drafts against itself without -----
+
+TARGET = {"speedup": 2.0, "alpha": 0.8, "k": 4, "batch": 1, "model": "bench", "threads": 1}
+ASK_LEN = 8  # tokens of each fixed "instruction" around a prompt's passage
+
+
+def alphas(text: str) -> list[float]:
+    try:
+        values = sorted({float(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated rates, got {text!r}") from None
+    if not values or values[0] < 0 or values[-1] > 1:
+        raise argparse.ArgumentTypeError(f"acceptance rates between 0 and 1, got {text!r}")
+    return values
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"LOW-HIGH token counts, got {text!r}") from None
+    if not 2 * ASK_LEN < low <= high:
+        raise argparse.ArgumentTypeError(f"LOW-HIGH with {2 * ASK_LEN} < LOW <= HIGH, got {text!r}")
+    return low, high
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens one verify row yields when each draft is right with probability alpha, independently, and the
+    row stops at the first wrong one: 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_acceptance(alpha: float, k: int) -> float:
+    """What SpecStats.acceptance_rate (accepted / drafted) reads under the same model: drafts behind the first
+    wrong one count as drafted and not accepted, so it is (alpha + ... + alpha^k) / k, not alpha."""
+    return sum(alpha ** j for j in range(1, k + 1)) / k
+
+
+def repeat_prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    """`batch` prompts shaped like "here is a passage: <passage>. Repeat it exactly:" -- the two instructions
+    are fixed token ids shared by every prompt, the passage random ids (a random-weight model has no words,
+    so any ids serve). Output that repeats its input is the n-gram drafter's case; the passage differs per
+    prompt, so every prompt is distinct (the replay drafter looks outputs up by prompt)."""
+    rng = random.Random(seed)
+    top = min(vocab, 151643)  # ordinary tokens only
+    before, after = [rng.randrange(top) for _ in range(ASK_LEN)], [rng.randrange(top) for _ in range(ASK_LEN)]
+    prompts = [before + [rng.randrange(top) for _ in range(rng.randint(*lengths) - 2 * ASK_LEN)] + after
+               for _ in range(batch)]
+    if len({tuple(p) for p in prompts}) != batch:
+        raise CourseError("two prompts came out equal; try another --seed")
+    return prompts
+
+
+def make_engine(model: Qwen3ForCausalLM, prompts: list[list[int]], drafter, args):
+    """One fresh engine per run (no prefix cache or stats carried over): every request of the batch held at
+    once, a budget that prefills the whole batch in one step and leaves room for K drafts per decode."""
+    batch, longest = len(prompts), max(map(len, prompts))
+    blocks = batch * blocks_for(longest + args.max_new_tokens + args.k + 1, BLOCK_SIZE)
+    budget = max(batch * (args.k + 1), sum(map(len, prompts)))
+    return L11Engine(model, BLOCK_SIZE, blocks, max_running=batch, backend=args.backend, graphs=True,
+                     max_batched_tokens=budget, drafter=drafter, num_speculative_tokens=args.k, seed=args.seed)
+
+
+def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], drafter, args) -> dict:
+    """Run the batch to the end, all requests arriving together. A step is a decode step when every request
+    had its first token before it (the prompts are done); only those are timed, so the ratio is decode's."""
+    engine = make_engine(model, prompts, drafter, args)
+    stop = StopRule(args.max_new_tokens, ignore_eos=True)
+    seqs = [engine.add_request(p, stop) for p in prompts]
+    decode_s, decode_steps, decode_tokens, eager_before = 0.0, 0, 0, engine.runner.eager_steps
+    gc.collect()
+    while engine.scheduler.has_work():
+        decoding = all(seq.output_ids for seq in seqs)
+        before = sum(len(seq.output_ids) for seq in seqs)
+        t0 = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - t0
+        if decoding:
+            decode_s, decode_steps = decode_s + seconds, decode_steps + 1
+            decode_tokens += sum(len(seq.output_ids) for seq in seqs) - before
+        else:
+            eager_before = engine.runner.eager_steps  # count the decode steps' eager forwards only
+    if engine.allocator.num_free != engine.usable_blocks:
+        raise RuntimeError(f"blocks leaked: {engine.allocator.num_free} free of {engine.usable_blocks}")
+    spec = engine.spec
+    return {"outputs": [list(seq.output_ids) for seq in seqs], "decode_s": decode_s, "decode_steps": decode_steps,
+            "decode_tokens": decode_tokens, "eager_decode_steps": engine.runner.eager_steps - eager_before,
+            "spec": {"drafted": spec.drafted, "accepted": spec.accepted, "verify_rows": spec.verify_rows,
+                     "plain_rows": spec.plain_rows, "emitted": spec.emitted, "accepted_at": list(spec.accepted_at),
+                     "acceptance_rate": spec.acceptance_rate, "mean_accepted_length": spec.mean_accepted_length},
+            "backend": harness.backend_name(engine)}
+
+
+def systems(args) -> list[tuple[str, float | None]]:
+    """(name, alpha): the plain engine, the replay drafter at each acceptance rate, the n-gram drafter."""
+    return [("none", None)] + [(f"replay {a:g}", a) for a in args.alphas] + ([("ngram", None)] if args.ngram else [])
+
+
+def drafter_for(name: str, alpha: float | None, expected: dict, vocab: int, seed: int):
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    return ReplayDrafter(expected, vocab, wrong_with_rate(1 - alpha, seed))
+
+
+def measure_batch(model: Qwen3ForCausalLM, batch: int, args, console: Console) -> tuple[list[dict], set[str]]:
+    """Every system at one batch size: a reference run without drafts (untimed; its greedy outputs are what
+    the replay drafter proposes and what every other run must produce), then --rounds rounds in alternating
+    order. Round r corrupts with seed --seed + r, so the rounds see different draws of the same rate (one
+    request of 64 tokens is a small sample of it). Parity is checked on every run: a speculative output that
+    differs stops the benchmark."""
+    prompts = repeat_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
+    reference = generate(model, prompts, None, args)
+    expected = {tuple(p): out for p, out in zip(prompts, reference["outputs"])}
+    names = systems(args)
+    runs: dict[str, list[dict]] = {name: [] for name, _ in names}
+    backends = {reference["backend"]}
+    for r, (name, alpha) in harness.alternate(names, args.warmup + args.rounds):
+        drafter = drafter_for(name, alpha, expected, model.config.vocab_size, args.seed + r)
+        got = generate(model, prompts, drafter, args)
+        if got["outputs"] != reference["outputs"]:
+            bad = next(i for i, (x, y) in enumerate(zip(got["outputs"], reference["outputs"])) if x != y)
+            raise RuntimeError(f"parity broken: batch {batch}, {name}, request {bad}: output differs from the "
+                               "engine's own output without drafts; the speed-up of a wrong answer means nothing")
+        backends.add(got["backend"])
+        if r >= args.warmup:
+            runs[name].append(got)
+    console.print(f"batch {batch}: {len(names)} systems x {args.rounds} rounds, every output equal to the plain "
+                  "engine's", markup=False, highlight=False)
+    rows = summarize(batch, names, runs, args)
+    outs = reference["outputs"]
+    for row in rows:  # what the plain engine's own outputs look like: do they repeat, do they copy the prompt?
+        row["output_distinct"] = sum(len(set(o)) for o in outs) / len(outs)
+        row["output_in_prompt"] = sum(t in set(p) for p, o in zip(prompts, outs) for t in o) / sum(map(len, outs))
+    return rows, backends
+
+
+def summarize(batch: int, names: list[tuple[str, float | None]], runs: dict[str, list[dict]], args) -> list[dict]:
+    """Per system, round r against the plain engine's round r: the speed-up (its decode time over this one's,
+    the same tokens) and the step cost (time per decode step over its), medians over the rounds with their
+    range; what speculation did, summed over the rounds."""
+    base, rows = runs["none"], []
+    for name, alpha in names:
+        mine = runs[name]
+        ratios = [b["decode_s"] / g["decode_s"] for b, g in zip(base, mine)]
+        costs = [(g["decode_s"] / g["decode_steps"]) / (b["decode_s"] / b["decode_steps"]) for b, g in zip(base, mine)]
+        total = {k: sum(g["spec"][k] for g in mine) for k in ("drafted", "accepted", "verify_rows", "plain_rows",
+                                                              "emitted")}
+        spec = {**total, "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+                "mean_accepted_length": 1 + total["accepted"] / total["verify_rows"] if total["verify_rows"] else 0.0}
+        tokens, steps = sum(g["decode_tokens"] for g in mine), sum(g["decode_steps"] for g in mine)
+        median = lambda xs: harness.percentiles(xs, (50,))["p50"]  # noqa: E731
+        rows.append({
+            "batch": batch, "system": name, "alpha": alpha, "decode_s_all": [g["decode_s"] for g in mine],
+            "decode_steps_all": [g["decode_steps"] for g in mine], "decode_tokens": mine[0]["decode_tokens"],
+            "eager_decode_steps": sum(g["eager_decode_steps"] for g in mine), "decode_steps": steps,
+            "tokens_per_s": median([g["decode_tokens"] / g["decode_s"] for g in mine]),
+            "speedup": median(ratios), "speedup_rounds": ratios, "step_cost": median(costs), "step_cost_rounds": costs,
+            "tokens_per_forward": tokens / steps,
+            "tokens_per_row": spec["emitted"] / (spec["verify_rows"] + spec["plain_rows"]) if name != "none" else 1.0,
+            "formula": None if alpha is None else expected_tokens_per_step(alpha, args.k),
+            "expected_acceptance": None if alpha is None else expected_acceptance(alpha, args.k), "spec": spec})
+    return rows
+
+
+def break_even(points: list[tuple[float, float]]) -> float | None:
+    """The acceptance rate where the measured speed-up crosses 1, by linear interpolation between the two
+    measured rates around the crossing; None when it never crosses (above 1 everywhere or below everywhere)."""
+    for (a0, s0), (a1, s1) in zip(points, points[1:]):
+        if s0 < 1 <= s1:
+            return a0 + (1 - s0) * (a1 - a0) / (s1 - s0)
+    return None
+
+
+def formula_break_even(cost: float, k: int) -> float | None:
+    """The alpha at which (1 - alpha^(k+1)) / (1 - alpha) tokens per step pay for a step costing `cost`
+    plain decode steps (bisection: the formula grows from 1 at alpha 0 to k + 1 at alpha 1)."""
+    if cost <= 1:
+        return 0.0
+    if cost >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < cost else (lo, mid)
+    return (lo + hi) / 2
+
+
+def verify_cost(rows: list[dict], batch: int) -> float | None:
+    """A verify step's cost in plain decode steps, from the same run: the lowest replayed rate's time per step
+    (at 0 every step carries K drafts and keeps one token) over the plain engine's."""
+    replays = [r for r in rows if r["batch"] == batch and r["alpha"] is not None]
+    return min(replays, key=lambda r: r["alpha"])["step_cost"] if replays else None
+
+
+def target_verdict(rows: list[dict], args) -> str:
+    t = TARGET
+    say = (f"target: at acceptance {t['alpha']:g} and K = {t['k']}, >= {t['speedup']:g}x the plain engine's decode "
+           f"throughput at batch {t['batch']} on the {t['model']} shape, {t['threads']} thread")
+    cell = next((r for r in rows if r["batch"] == t["batch"] and r["alpha"] == t["alpha"]), None)
+    setting = (args.model, args.k, args.threads) == (t["model"], t["k"], t["threads"])
+    if cell is None or not setting:
+        return f"{say}: not evaluated (this run is not that setting)"
+    met = cell["speedup"] >= t["speedup"]
+    return (f"{say}: {'MET' if met else 'NOT MET'} -- measured {cell['speedup']:.2f}x (rounds "
+            f"{min(cell['speedup_rounds']):.2f}-{max(cell['speedup_rounds']):.2f}x), {cell['tokens_per_forward']:.2f} "
+            f"tokens per target forward against the formula's {cell['formula']:.2f}")
+
+
+def ngram_line(row: dict, args) -> str:
+    """What the n-gram drafter found on prompts that ask to repeat a passage, and where it could have found
+    it: the plain engine's outputs (random weights: they need not repeat anything)."""
+    s, rounds = row["spec"], args.rounds
+    per_row = s["drafted"] / s["verify_rows"] if s["verify_rows"] else 0.0
+    found = (f"{s['drafted'] / rounds:.0f} drafts per run ({per_row:.2f} per verify row) over {row['decode_tokens']} "
+             f"decode tokens, {s['acceptance_rate']:.0%} accepted, {row['tokens_per_row']:.2f} tokens per decode row, "
+             f"speed-up {row['speedup']:.2f}x" if s["drafted"] else
+             f"no drafts in {row['decode_tokens']} decode tokens per run, speed-up {row['speedup']:.2f}x")
+    if row["output_in_prompt"] > 0:
+        source = f"{row['output_in_prompt']:.0%} of their tokens appear in their prompt"
+    elif s["drafted"]:
+        source = "none of their tokens appears in their prompt: what it finds is the output repeating itself"
+    else:
+        source = "none of their tokens appears in their prompt: the model never repeats the passage"
+    return (f"batch {row['batch']}, n-gram drafter (max n 4, min n 2): {found}. The plain engine's outputs hold "
+            f"{row['output_distinct']:.1f} distinct tokens each (of {args.max_new_tokens}) and {source}.")
+
+
+def plot_speedup(rows: list[dict], args, path: str, conditions: harness.Conditions, console: Console) -> None:
+    import numpy as np
+
+    fig, axes = harness.figure(1, 1, figsize=(6.4, 4.6), squeeze=False)
+    ax = axes[0][0]
+    grid = np.linspace(0, 1, 101)
+    ax.plot(grid, [expected_tokens_per_step(a, args.k) for a in grid], "k--", lw=1,
+            label=f"(1 - α^{args.k + 1}) / (1 - α): tokens per verify step")
+    for i, b in enumerate(args.batches):
+        color = f"C{i}"
+        pts = [r for r in rows if r["batch"] == b and r["alpha"] is not None]
+        ax.plot([r["alpha"] for r in pts], [r["speedup"] for r in pts], "-o", color=color, label=f"batch {b} measured")
+        cost = verify_cost(rows, b)
+        if cost:
+            ax.plot(grid, [expected_tokens_per_step(a, args.k) / cost for a in grid], ":", color=color, lw=1,
+                    label=f"batch {b}: formula / verify cost {cost:.2f}")
+        ng = next((r for r in rows if r["batch"] == b and r["system"] == "ngram"), None)
+        if ng is not None:
+            ax.plot([ng["spec"]["acceptance_rate"]], [ng["speedup"]], "x", color=color, ms=8)
+    ax.axhline(1, color="0.5", lw=0.8)
+    ax.plot([TARGET["alpha"]], [TARGET["speedup"]], "*", color="red", ms=10, label="target (batch 1)")
+    ax.set_xlabel("acceptance rate α (replay drafter: each draft right with probability α)")
+    ax.set_ylabel("decode throughput / plain engine's")
+    ax.set_title(f"{args.model}: speculative decoding, K = {args.k} (x: n-gram drafter at its measured rate)",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    harness.save_png(fig, path, conditions, console)
+
+
+def speedup(args) -> None:
+    torch.set_num_threads(args.threads)
+    console = Console(width=150)
+    conditions = harness.start("cpu", torch.float32, threads=args.threads)
+    model = Qwen3ForCausalLM.from_dir(MODELS[args.model](), torch.float32, torch.device("cpu"))
+    rows, used = [], set()
+    for b in args.batches:
+        got, backends = measure_batch(model, b, args, console)
+        rows += got
+        used |= backends
+    conditions.backend = ",".join(sorted(used))
+    conditions.extra.update(model=args.model, K=str(args.k), prompt=f"{args.prompt_len[0]}-{args.prompt_len[1]}",
+                            new=str(args.max_new_tokens), rounds=str(args.rounds))
+    table = []
+    for r in rows:
+        s = r["spec"]
+        table.append([str(r["batch"]), r["system"].split()[0], "-" if r["alpha"] is None else f"{r['alpha']:g}",
+                      "-" if r["system"] == "none" else f"{s['acceptance_rate']:.2f}",
+                      harness.fmt(r["expected_acceptance"], digits=2),
+                      "-" if r["system"] == "none" else f"{s['mean_accepted_length']:.2f}",
+                      harness.fmt(r["formula"], digits=2), f"{r['tokens_per_row']:.2f}",
+                      f"{r['tokens_per_forward']:.2f}", f"{r['step_cost']:.2f}x", f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.2f}x",
+                      f"{min(r['speedup_rounds']):.2f}-{max(r['speedup_rounds']):.2f}"])
+    console.print(harness.table(
+        f"{args.model}: L11's engine with drafts against itself without (decode steps only, median of {args.rounds} "
+        f"rounds, K = {args.k}, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, {args.max_new_tokens} new "
+        "tokens each, EOS ignored)",
+        ("batch", "drafter", "α", "acc/drafted", "expected", "acc. len", "formula", "tok/row", "tok/fwd",
+         "step cost", "decode tok/s", "speed-up", "rounds"), table))
+    for b in args.batches:
+        pts = [(r["alpha"], r["speedup"]) for r in rows if r["batch"] == b and r["alpha"] is not None]
+        measured, cost = break_even(pts), verify_cost(rows, b)
+        from_formula = formula_break_even(cost, args.k) if cost else None
+        ng = next((r for r in rows if r["batch"] == b and r["system"] == "ngram"), None)
+        if measured is not None:
+            crossed = f"{measured:.2f} (measured, interpolated)"
+        elif pts and min(s for _, s in pts) >= 1:
+            crossed = f"none: faster than the plain engine at every rate measured, {pts[0][0]:g} included"
+        else:
+            crossed = f"none: slower than the plain engine at every rate measured, up to {pts[-1][0]:g}" if pts else "-"
+        line = f"batch {b}: break-even acceptance {crossed}"
+        if cost is not None:
+            line += (f"; a verify step costs {cost:.2f} plain decode steps, so the formula breaks even at "
+                     f"{'no rate' if from_formula is None else f'{from_formula:.2f}'}")
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if ng is not None:
+            console.print(ngram_line(ng, args), markup=False, highlight=False, soft_wrap=True)
+    console.print("α: the replay drafter's rate (each draft right with probability α, independently); acc/drafted: "
+                  "SpecStats.acceptance_rate, measured; expected: (α + ... + α^K) / K, what acc/drafted reads under "
+                  "that model (drafts behind the first wrong one count as drafted); acc. len: mean accepted length "
+                  "(tokens per verify row); formula: (1 - α^(K+1)) / (1 - α), its expectation; tok/row: tokens per "
+                  "decode row, plain rows included (the last rows of a request carry fewer drafts); tok/fwd: decode "
+                  "tokens per target forward (the batch's); step cost: time per decode step over the plain engine's; "
+                  "speed-up: the plain engine's decode time over this one's (same tokens), median of the rounds, and "
+                  "its range round by round. Graphs on (the engine's default): plain decode steps replay L7's "
+                  "static-buffer step (on CPU no CUDA graph exists: the same buffers, run eagerly); a step holding "
+                  "any verify slice runs L8's eager path.",
+                  markup=False, highlight=False, soft_wrap=True)
+    console.print(target_verdict(rows, args), markup=False, highlight=False, soft_wrap=True)
+    harness.finish(conditions, console)
+    if args.json:
+        harness.write_json(args.json, {"rows": rows, "k": args.k, "target": TARGET,
+                                       "verdict": target_verdict(rows, args)}, conditions, console)
+    if args.png:
+        plot_speedup(rows, args, args.png, conditions, console)
+
+
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l11_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -222,14 +574,33 @@ def parser() -> OneLineParser:
     c.add_argument("--json", metavar="PATH")
     c.add_argument("--png", metavar="PATH")
     c.set_defaults(run=curve)
+
+    s = sub.add_parser("speedup", help="the engine with drafts against itself without, per batch and drafter")
+    s.add_argument("--model", choices=list(MODELS), default="bench", help="bench (default) or tiny")
+    s.add_argument("--batches", type=ints, default="1,4,16")
+    s.add_argument("--alphas", type=alphas, default="0,0.5,0.8,1", help="the replay drafter's acceptance rates")
+    s.add_argument("--k", type=int, default=4, help="drafts per verify step (num_speculative_tokens, default 4)")
+    s.add_argument("--prompt-len", type=span, default="32-64", help="prompt tokens, LOW-HIGH (default 32-64)")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
+    s.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    s.add_argument("--warmup", type=int, default=0, help="untimed rounds after the reference run (default 0)")
+    s.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the n-gram drafter")
+    s.add_argument("--backend", default="auto", choices=BACKENDS)
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", metavar="PATH")
+    s.add_argument("--png", metavar="PATH")
+    s.set_defaults(run=speedup)
     return p
 
 
 def main() -> None:
     args = parser().parse_args()
     try:
-        if args.history < 1 or args.rounds < 1 or args.warmup < 0 or args.threads < 1:
+        if getattr(args, "history", 1) < 1 or args.rounds < 1 or args.warmup < 0 or args.threads < 1:
             raise CourseError("--history, --rounds and --threads must be at least 1, --warmup at least 0")
+        if args.command == "speedup" and (args.k < 1 or args.max_new_tokens < 2):
+            raise CourseError("--k must be at least 1 and --max-new-tokens at least 2")
         args.run(args)
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
