@@ -4,7 +4,7 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py                      # the embedded tiny model on http://127.0.0.1:8000/v1
     python scripts/serve.py --model DIR --port 0 # a checkpoint directory, on a free port
     python scripts/serve.py --tp 2               # L10: the model split across two ranks (gloo on CPU)
-    python scripts/serve.py --speculative ngram  # L11: drafts (prompt lookup, or --speculative draft) verified each step
+    python scripts/serve.py --speculative ngram  # L11: drafts guessed by prompt lookup, checked each step
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
@@ -234,7 +234,7 @@ def build(args) -> tuple[Server, socket.socket]:
     tokenizer = load_tokenizer(model_dir)
     token_bytes = TokenBytes(tokenizer)
     sock = listen(args.host, args.port)  # before loading the model: a busy port is reported in a second
-    drafter, spec_line = make_drafter(args, model_dir, dtype, device)  # a bad draft model fails before any rank starts
+    drafter, spec_line = make_drafter(args, model_dir, dtype, device)  # a bad draft model fails before ranks start
     if args.tp == 1:
         engine_class, model = L9Engine, Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
     else:  # L10: rank 0 (this process) serves; the other ranks follow its steps
