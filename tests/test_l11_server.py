@@ -2,9 +2,10 @@
 speculation streams (text, tokens, finish reasons, usage), even though a step may now carry several tokens.
 
 Three servers, started at once (each takes seconds to load): `plain` (L9's engine), `ngram` (prompt lookup,
-which on the embedded random-weight model finds almost nothing to propose) and `draft` (the embedded model
-drafting for itself with K = 4: it guesses what it will say, so nearly every draft is kept and most steps
-bring five tokens; that is what makes the several-tokens-per-step paths really run).
+which on the embedded random-weight model finds something to propose only in the smoke's self-repeating
+prompt) and `draft` (the embedded model drafting for itself with K = 4: it guesses what it will say, so nearly
+every draft is kept and most steps bring five tokens; that is what makes the several-tokens-per-step paths
+really run).
 Covered: greedy streams against the plain server's; a stop string that completes in the middle of a step's
 accepted drafts ends the text, the tokens and the usage where the plain server ends them; the detokenizer
 gives the same text one token at a time as in one call (why the engine thread may feed a step's tokens either
@@ -30,14 +31,16 @@ from lessons.l9_server.engine_loop import Choice, EngineLoop
 from lessons.l9_server.stop_strings import StopStringMatcher
 from shared.server_process import SERVE, ServerProcess
 
+sys.path.insert(0, str(SERVE.parent))
+from l11_smoke import REPEAT  # noqa: E402  (the smoke's prompt in which the n-gram drafter finds a match)
+
 K = 4
 SERVERS = {
     "plain": [],
     "ngram": ["--speculative", "ngram", "--num-speculative-tokens", str(K)],
     "draft": ["--speculative", "draft", "--num-speculative-tokens", str(K)],
 }
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4,",
-           "Emoji 🚀🔥 and 東京の桜"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Emoji 🚀🔥 and 東京の桜", REPEAT]
 MAX_TOKENS = 24
 TIMEOUT = 60.0  # every client call: a server bug fails the test, it never hangs it
 FIRST_ADDED = 151643  # BPE ranks end here; the special tokens follow
@@ -136,15 +139,13 @@ def streams(servers) -> dict[str, list[Streamed]]:
 @pytest.mark.parametrize("name", ["ngram", "draft"])
 def test_streamed_text_with_speculation_equals_streamed_text_without(streams, name):
     """Text, tokens, finish reason and usage of every prompt: the speculative server's equal the plain one's.
-    The draft server's steps really carry several tokens (its chunks are fewer than its tokens)."""
+    The draft server's steps really carry several tokens (chunks of K + 1 tokens)."""
     for prompt, plain, spec in zip(PROMPTS, streams["plain"], streams[name]):
         assert (spec.text, spec.tokens, spec.finishes, spec.usage) == \
                (plain.text, plain.tokens, plain.finishes, plain.usage), prompt
         assert plain.usage["completion_tokens"] == len(plain.tokens) > 0
-        assert all(len(step) <= 1 for step in plain.steps)  # L9: one token per step
-        assert all(len(step) <= K + 1 for step in spec.steps)
-    if name == "draft":
-        assert all(max(map(len, s.steps)) == K + 1 for s in streams[name])  # K drafts kept + the target's own
+    if name == "draft":  # K drafts kept + the target's own: K + 1 per step (more only if a lagging reader's merged)
+        assert all(max(map(len, s.steps)) >= K + 1 for s in streams[name])
 
 
 def stop_inside_a_step(token_bytes: TokenBytes, plain: Streamed, steps: list[list[int]]) -> tuple[str, int]:
@@ -190,14 +191,15 @@ def test_a_stop_string_inside_accepted_drafts_cuts_where_the_plain_server_does(s
 def test_metrics_count_drafts_on_a_speculative_server_only(servers, streams):
     """After the streams: the draft server counted verify rows, draft tokens and kept drafts (the model
     drafting for itself keeps nearly all), and its mean accepted length is 1 + kept / rows; the n-gram server
-    shows the same metrics (whatever it found); the plain server shows none."""
+    counted the drafts it found in the self-repeating prompt; the plain server shows none."""
     m = idle_metrics(servers["draft"])
     drafts, drafted = m["paged_spec_drafts_total"], m["paged_spec_draft_tokens_total"]
     accepted = m["paged_spec_accepted_tokens_total"]
     assert drafts > 0 and drafted >= drafts and 0.9 * drafted <= accepted <= drafted
     assert m["paged_spec_mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
-    assert {"paged_spec_drafts_total", "paged_spec_draft_tokens_total", "paged_spec_accepted_tokens_total",
-            "paged_spec_mean_accepted_length"} <= set(idle_metrics(servers["ngram"]))
+    ngram = idle_metrics(servers["ngram"])
+    assert ngram["paged_spec_draft_tokens_total"] >= ngram["paged_spec_drafts_total"] > 0
+    assert ngram["paged_spec_accepted_tokens_total"] <= ngram["paged_spec_draft_tokens_total"]
     assert not [k for k in idle_metrics(servers["plain"]) if "spec" in k]
 
 
@@ -280,11 +282,7 @@ def test_flags_that_cannot_mean_anything_exit_2_with_one_line(tmp_path, monkeypa
     a_file.write_bytes(b"")
     started = subprocess.Popen([sys.executable, str(SERVE), "--port", "0", "--speculative", "draft", "--draft-model",
                                 str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sys.path.insert(0, str(SERVE.parent))
-    try:
-        import serve
-    finally:
-        sys.path.remove(str(SERVE.parent))
+    import serve
     cases = [["--draft-model", str(tmp_path)], ["--speculative", "ngram", "--draft-model", str(tmp_path)],
              ["--num-speculative-tokens", "2"], ["--speculative", "ngram", "--num-speculative-tokens", "0"],
              ["--speculative", "medusa"], ["--speculative", "draft", "--num-speculative-tokens", "two"],
