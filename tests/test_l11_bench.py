@@ -119,11 +119,15 @@ def test_a_speculative_output_that_differs_stops_the_benchmark(monkeypatch):
 
     bench = load()
 
-    def fake_generate(model, prompts, drafter, args):  # a "speculative" run that got one token wrong
-        outputs = [[5, 6, 7] for _ in prompts] if drafter is None else [[5, 6, 8] for _ in prompts]
-        return {"outputs": outputs, "backend": "cpp"}
+    class FakeRun:  # done at once; a "speculative" run got one token wrong
+        def __init__(self, model, prompts, drafter, args):
+            self.outputs = [[5, 6, 7] for _ in prompts] if drafter is None else [[5, 6, 8] for _ in prompts]
+            self.busy = False
 
-    monkeypatch.setattr(bench, "generate", fake_generate)
+        def result(self):
+            return {"outputs": self.outputs, "backend": "cpp"}
+
+    monkeypatch.setattr(bench, "Run", FakeRun)
     args = bench.parser().parse_args(["speedup", "--model", "tiny", "--batches", "2", "--rounds", "1"])
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))
     with pytest.raises(RuntimeError, match="parity broken: batch 2, replay 0, request 0"):

@@ -34,9 +34,10 @@ tokens, each "<instruction> <random passage> <instruction: repeat it>", all arri
 each with EOS ignored, a fresh engine per run whose budget prefills the batch in one step and holds
 B x (K + 1) decode tokens. Only decode steps are timed (every request already has its first token), so the
 ratio is decode throughput's. An untimed reference run without drafts gives each prompt's greedy output; then
---rounds rounds, each running every system once in harness.alternate's order: no drafter, the replay drafter
-at each --alphas rate (it proposes the reference output, each draft wrong with probability 1 - alpha,
-seeded per round), and the n-gram drafter. Every run's outputs must equal the reference, else the benchmark
+--rounds rounds. A round builds a fresh engine per system -- no drafter, the replay drafter at each --alphas
+rate (it proposes the reference output, each draft wrong with probability 1 - alpha, seeded per round), and
+the n-gram drafter -- and runs them a step at a time in turns, in harness.alternate's order, so a box that
+gets busier mid-round slows every system alike. Every run's outputs must equal the reference, else the benchmark
 stops (exit status 1). Reported per (batch, drafter): the speed-up (the plain run's decode time over this
 one's in the same round; median and range), tokens per target forward and per decode row, the measured
 acceptance beside what the rate predicts, mean accepted length beside (1 - a^(K+1)) / (1 - a), the step's
@@ -290,34 +291,53 @@ def make_engine(model: Qwen3ForCausalLM, prompts: list[list[int]], drafter, args
                      max_batched_tokens=budget, drafter=drafter, num_speculative_tokens=args.k, seed=args.seed)
 
 
-def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], drafter, args) -> dict:
-    """Run the batch to the end, all requests arriving together. A step is a decode step when every request
-    had its first token before it (the prompts are done); only those are timed, so the ratio is decode's."""
-    engine = make_engine(model, prompts, drafter, args)
-    stop = StopRule(args.max_new_tokens, ignore_eos=True)
-    seqs = [engine.add_request(p, stop) for p in prompts]
-    decode_s, decode_steps, decode_tokens, eager_before = 0.0, 0, 0, engine.runner.eager_steps
-    gc.collect()
-    while engine.scheduler.has_work():
-        decoding = all(seq.output_ids for seq in seqs)
-        before = sum(len(seq.output_ids) for seq in seqs)
+class Run:
+    """One engine running the batch to the end, a step at a time, all requests arriving together. A step is a
+    decode step when every request had its first token before it (the prompts are done); only those are
+    timed, so the ratio is decode's. Several runs can take turns step by step (see measure_batch)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, prompts: list[list[int]], drafter, args):
+        self.engine = make_engine(model, prompts, drafter, args)
+        stop = StopRule(args.max_new_tokens, ignore_eos=True)
+        self.seqs = [self.engine.add_request(p, stop) for p in prompts]
+        self.decode_s, self.decode_steps, self.decode_tokens = 0.0, 0, 0
+        self.eager_before = self.engine.runner.eager_steps
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.scheduler.has_work()
+
+    def step(self) -> None:
+        decoding = all(seq.output_ids for seq in self.seqs)
+        before = sum(len(seq.output_ids) for seq in self.seqs)
         t0 = time.perf_counter()
-        engine.step()
+        self.engine.step()
         seconds = time.perf_counter() - t0
         if decoding:
-            decode_s, decode_steps = decode_s + seconds, decode_steps + 1
-            decode_tokens += sum(len(seq.output_ids) for seq in seqs) - before
+            self.decode_s, self.decode_steps = self.decode_s + seconds, self.decode_steps + 1
+            self.decode_tokens += sum(len(seq.output_ids) for seq in self.seqs) - before
         else:
-            eager_before = engine.runner.eager_steps  # count the decode steps' eager forwards only
-    if engine.allocator.num_free != engine.usable_blocks:
-        raise RuntimeError(f"blocks leaked: {engine.allocator.num_free} free of {engine.usable_blocks}")
-    spec = engine.spec
-    return {"outputs": [list(seq.output_ids) for seq in seqs], "decode_s": decode_s, "decode_steps": decode_steps,
-            "decode_tokens": decode_tokens, "eager_decode_steps": engine.runner.eager_steps - eager_before,
-            "spec": {"drafted": spec.drafted, "accepted": spec.accepted, "verify_rows": spec.verify_rows,
-                     "plain_rows": spec.plain_rows, "emitted": spec.emitted, "accepted_at": list(spec.accepted_at),
-                     "acceptance_rate": spec.acceptance_rate, "mean_accepted_length": spec.mean_accepted_length},
-            "backend": harness.backend_name(engine)}
+            self.eager_before = self.engine.runner.eager_steps  # count the decode steps' eager forwards only
+
+    def result(self) -> dict:
+        engine, spec = self.engine, self.engine.spec
+        if engine.allocator.num_free != engine.usable_blocks:
+            raise RuntimeError(f"blocks leaked: {engine.allocator.num_free} free of {engine.usable_blocks}")
+        return {"outputs": [list(seq.output_ids) for seq in self.seqs], "decode_s": self.decode_s,
+                "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
+                "eager_decode_steps": engine.runner.eager_steps - self.eager_before,
+                "spec": {"drafted": spec.drafted, "accepted": spec.accepted, "verify_rows": spec.verify_rows,
+                         "plain_rows": spec.plain_rows, "emitted": spec.emitted, "accepted_at": list(spec.accepted_at),
+                         "acceptance_rate": spec.acceptance_rate, "mean_accepted_length": spec.mean_accepted_length},
+                "backend": harness.backend_name(engine)}
+
+
+def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], drafter, args) -> dict:
+    """One run alone, to the end."""
+    run = Run(model, prompts, drafter, args)
+    while run.busy:
+        run.step()
+    return run.result()
 
 
 def systems(args) -> list[tuple[str, float | None]]:
@@ -335,8 +355,8 @@ def drafter_for(name: str, alpha: float | None, expected: dict, vocab: int, seed
 
 def measure_batch(model: Qwen3ForCausalLM, batch: int, args, console: Console) -> tuple[list[dict], set[str]]:
     """Every system at one batch size: a reference run without drafts (untimed; its greedy outputs are what
-    the replay drafter proposes and what every other run must produce), then --rounds rounds in alternating
-    order. Round r corrupts with seed --seed + r, so the rounds see different draws of the same rate (one
+    the replay drafter proposes and what every other run must produce), then --rounds rounds; in a round every
+    system has its own fresh engine and they take turns a step at a time (harness.alternate). Round r corrupts with seed --seed + r, so the rounds see different draws of the same rate (one
     request of 64 tokens is a small sample of it). Parity is checked on every run: a speculative output that
     differs stops the benchmark."""
     prompts = repeat_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
@@ -345,16 +365,28 @@ def measure_batch(model: Qwen3ForCausalLM, batch: int, args, console: Console) -
     names = systems(args)
     runs: dict[str, list[dict]] = {name: [] for name, _ in names}
     backends = {reference["backend"]}
-    for r, (name, alpha) in harness.alternate(names, args.warmup + args.rounds):
-        drafter = drafter_for(name, alpha, expected, model.config.vocab_size, args.seed + r)
-        got = generate(model, prompts, drafter, args)
-        if got["outputs"] != reference["outputs"]:
-            bad = next(i for i, (x, y) in enumerate(zip(got["outputs"], reference["outputs"])) if x != y)
-            raise RuntimeError(f"parity broken: batch {batch}, {name}, request {bad}: output differs from the "
-                               "engine's own output without drafts; the speed-up of a wrong answer means nothing")
-        backends.add(got["backend"])
-        if r >= args.warmup:
-            runs[name].append(got)
+    for r in range(args.warmup + args.rounds):
+        vocab = model.config.vocab_size
+        going = {name: Run(model, prompts, drafter_for(name, alpha, expected, vocab, args.seed + r), args)
+                 for name, alpha in names}
+        gc.collect()
+        # Step by step in turns (forward, then backward, ...): a box that grows busier mid-round slows every
+        # system's steps alike, not whichever ran last. No run needs more than max_new_tokens steps.
+        for _, (name, _) in harness.alternate(names, args.max_new_tokens):
+            if going[name].busy:
+                going[name].step()
+        for name, _ in names:
+            if going[name].busy:
+                raise RuntimeError(f"{name} still running after {args.max_new_tokens} steps")
+            got = going[name].result()
+            if got["outputs"] != reference["outputs"]:
+                bad = next(i for i, (x, y) in enumerate(zip(got["outputs"], reference["outputs"])) if x != y)
+                raise RuntimeError(f"parity broken: batch {batch}, {name}, request {bad}: output differs from the "
+                                   "engine's own output without drafts; the speed-up of a wrong answer means nothing")
+            backends.add(got["backend"])
+            if r >= args.warmup:
+                runs[name].append(got)
+        del going  # the engines' pools go before the next round's are built
     console.print(f"batch {batch}: {len(names)} systems x {args.rounds} rounds, every output equal to the plain "
                   "engine's", markup=False, highlight=False)
     rows = summarize(batch, names, runs, args)
