@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py curve [--models tiny,bench] [--batches 1,4,16]
         [--queries 1,2,4,8,16] [--history 512] [--rounds 20] [--json PATH] [--png PATH]
     OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py speedup [--model bench|tiny] [--batches 1,4,16]
-        [--alphas 0,0.5,0.8,1] [--k 4] [--prompt-len 32-64] [--max-new-tokens 64] [--rounds 5] [--no-ngram]
+        [--alphas 0,0.5,0.8,1] [--k 4] [--prompt-len 32-64] [--max-new-tokens 64] [--rounds 8] [--no-ngram]
         [--json PATH] [--png PATH]
 
 `curve`: one forward of L8's ChunkedRunner (the engine's own runner, pool and attention backend) over a batch
@@ -356,9 +356,10 @@ def drafter_for(name: str, alpha: float | None, expected: dict, vocab: int, seed
 def measure_batch(model: Qwen3ForCausalLM, batch: int, args, console: Console) -> tuple[list[dict], set[str]]:
     """Every system at one batch size: a reference run without drafts (untimed; its greedy outputs are what
     the replay drafter proposes and what every other run must produce), then --rounds rounds; in a round every
-    system has its own fresh engine and they take turns a step at a time (harness.alternate). Round r corrupts with seed --seed + r, so the rounds see different draws of the same rate (one
-    request of 64 tokens is a small sample of it). Parity is checked on every run: a speculative output that
-    differs stops the benchmark."""
+    system has its own fresh engine and they take turns a step at a time (harness.alternate). Round r
+    corrupts with seed --seed + r, so the rounds see different draws of the same rate (one request of 64
+    tokens is a small sample of it). Parity is checked on every run: a speculative output that differs stops
+    the benchmark."""
     prompts = repeat_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
     reference = generate(model, prompts, None, args)
     expected = {tuple(p): out for p, out in zip(prompts, reference["outputs"])}
@@ -420,6 +421,8 @@ def summarize(batch: int, names: list[tuple[str, float | None]], runs: dict[str,
             "speedup": median(ratios), "speedup_rounds": ratios, "step_cost": median(costs), "step_cost_rounds": costs,
             "tokens_per_forward": tokens / steps,
             "tokens_per_row": spec["emitted"] / (spec["verify_rows"] + spec["plain_rows"]) if name != "none" else 1.0,
+            "tokens_per_row_rounds": [g["spec"]["emitted"] / max(1, g["spec"]["verify_rows"] + g["spec"]["plain_rows"])
+                                      for g in mine] if name != "none" else [1.0] * len(mine),
             "formula": None if alpha is None else expected_tokens_per_step(alpha, args.k),
             "expected_acceptance": None if alpha is None else expected_acceptance(alpha, args.k), "spec": spec})
     return rows
@@ -464,9 +467,11 @@ def target_verdict(rows: list[dict], args) -> str:
     if cell is None or not setting:
         return f"{say}: not evaluated (this run is not that setting)"
     met = cell["speedup"] >= t["speedup"]
-    return (f"{say}: {'MET' if met else 'NOT MET'} -- measured {cell['speedup']:.2f}x (rounds "
+    return (f"{say}: {'MET' if met else 'NOT MET'} -- measured {cell['speedup']:.2f}x (median; rounds "
             f"{min(cell['speedup_rounds']):.2f}-{max(cell['speedup_rounds']):.2f}x), {cell['tokens_per_forward']:.2f} "
-            f"tokens per target forward against the formula's {cell['formula']:.2f}")
+            f"tokens per target forward against the formula's {cell['formula']:.2f}, a verify step costing "
+            f"{cell['step_cost']:.2f} plain decode steps (the formula over that cost: "
+            f"{cell['formula'] / cell['step_cost']:.2f}x)")
 
 
 def ngram_line(row: dict, args) -> str:
@@ -614,7 +619,7 @@ def parser() -> OneLineParser:
     s.add_argument("--k", type=int, default=4, help="drafts per verify step (num_speculative_tokens, default 4)")
     s.add_argument("--prompt-len", type=span, default="32-64", help="prompt tokens, LOW-HIGH (default 32-64)")
     s.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
-    s.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    s.add_argument("--rounds", type=int, default=8, help="timed rounds (default 8)")
     s.add_argument("--warmup", type=int, default=0, help="untimed rounds after the reference run (default 0)")
     s.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the n-gram drafter")
     s.add_argument("--backend", default="auto", choices=BACKENDS)
