@@ -146,9 +146,10 @@ def test_the_formula_break_even_and_verdict():
     args = bench.parser().parse_args(["speedup"])
     row = {"batch": 1, "alpha": 0.8, "speedup": 1.9, "speedup_rounds": [1.8, 2.1], "tokens_per_forward": 3.3,
            "formula": 3.36, "step_cost": 1.68}
-    assert "NOT MET -- measured 1.90x" in bench.target_verdict([row], args)
+    assert "NOT MET, borderline: rounds on both sides of it -- measured 1.900x" in bench.target_verdict([row], args)
     assert "(the formula over that cost: 2.00x)" in bench.target_verdict([row], args)
-    assert ": MET -- measured 2.10x" in bench.target_verdict([{**row, "speedup": 2.1}], args)
+    assert ": MET -- measured 2.100x" in bench.target_verdict([{**row, "speedup": 2.1, "speedup_rounds": [2.05, 2.2]}],
+                                                              args)
     tiny = bench.parser().parse_args(["speedup", "--model", "tiny"])
     assert "not evaluated" in bench.target_verdict([row], tiny)
 

@@ -467,8 +467,10 @@ def target_verdict(rows: list[dict], args) -> str:
     if cell is None or not setting:
         return f"{say}: not evaluated (this run is not that setting)"
     met = cell["speedup"] >= t["speedup"]
-    return (f"{say}: {'MET' if met else 'NOT MET'} -- measured {cell['speedup']:.2f}x (median; rounds "
-            f"{min(cell['speedup_rounds']):.2f}-{max(cell['speedup_rounds']):.2f}x), {cell['tokens_per_forward']:.2f} "
+    low, high = min(cell["speedup_rounds"]), max(cell["speedup_rounds"])
+    straddle = ", borderline: rounds on both sides of it" if low < t["speedup"] <= high else ""
+    return (f"{say}: {'MET' if met else 'NOT MET'}{straddle} -- measured {cell['speedup']:.3f}x (median; rounds "
+            f"{low:.2f}-{high:.2f}x), {cell['tokens_per_forward']:.2f} "
             f"tokens per target forward against the formula's {cell['formula']:.2f}, a verify step costing "
             f"{cell['step_cost']:.2f} plain decode steps (the formula over that cost: "
             f"{cell['formula'] / cell['step_cost']:.2f}x)")
