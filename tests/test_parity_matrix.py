@@ -125,6 +125,17 @@ def test_lessons_on_l8s_block_tables_run_at_the_largest_block_size_only():
         assert sorted((c.dtype, c.block_size) for c in cells if c.lesson == lesson) == [("bfloat16", 16), ("float32", 16)]
 
 
+def test_l11_sweeps_every_block_size_with_a_drafter_that_drafts_on_every_decode():
+    l10, l11 = Path("scripts/l10_smoke.py"), Path("scripts/l11_smoke.py")
+    cells = pm.grid({l10: True, l11: True}, ["float32", "bfloat16"], ["default"], [1, 7, 16])
+    mine = [c for c in cells if c.lesson == "L11"]
+    assert {c.block_size for c in mine} == {1, 7, 16} and len(mine) == 6
+    assert all(c.argv(20, None)[c.argv(20, None).index("--drafter") + 1] == "draft" for c in mine)
+    assert all("--drafter" not in c.argv(20, None) for c in cells if c.lesson == "L10")
+    help_text = "--block-size BLOCK_SIZE  tokens per KV block (default: 16)"
+    assert pm.no_arg_cell(l11, help_text, on_cuda=False) not in mine  # the n-gram no-argument run is another run
+
+
 def test_a_cell_passes_its_configuration_to_the_smoke():
     cell = pm.Cell("L5", Path("scripts/l5_smoke.py"), "bfloat16", "unicode", 7)
     argv = cell.argv(12, None)

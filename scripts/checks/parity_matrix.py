@@ -55,9 +55,10 @@ class Cell:
     dtype: str
     prompts: str  # a PROMPT_SETS key
     block_size: int | None  # None: the smoke has no blocks
+    options: tuple[str, ...] = ()  # the lesson's own options (LESSON_OPTIONS), the same in every cell of its row
 
     def argv(self, max_new_tokens: int, device: str | None) -> list[str]:
-        args = [sys.executable, str(self.script), "--json", "--dtype", self.dtype]
+        args = [sys.executable, str(self.script), "--json", "--dtype", self.dtype, *self.options]
         args += ["--max-new-tokens", str(max_new_tokens)]
         args += [] if self.block_size is None else ["--block-size", str(self.block_size)]
         args += [] if device is None else ["--device", device]
@@ -99,6 +100,11 @@ def no_arg_cell(script: Path, help_text: str, on_cuda: bool) -> Cell:
 # L8's cells sweep every block size; theirs run at the largest one asked for, checking what they add (the
 # server, the split) at a third of the cost (a cell starts a server or a second rank).
 L8_BLOCK_TABLES = {"L9", "L10"}
+# A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
+# verify row of up to K drafts that cross block boundaries and roll back at each block size and dtype (the
+# n-gram drafter of its no-argument run drafts once on the random-weight model, which .ci/run has just run).
+# Its cells are then no cell of a no-argument run, so --skip-no-arg-runs leaves none of them out.
+LESSON_OPTIONS = {"L11": ("--drafter", "draft")}
 
 
 def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int]) -> list[Cell]:
@@ -110,7 +116,7 @@ def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], bl
         for prompts in prompt_sets:
             for dtype in dtypes:
                 for size in sizes if blocks else [None]:
-                    cells.append(Cell(lesson, script, dtype, prompts, size))
+                    cells.append(Cell(lesson, script, dtype, prompts, size, LESSON_OPTIONS.get(lesson, ())))
     return cells
 
 
@@ -193,6 +199,8 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
     if any(c.lesson in L8_BLOCK_TABLES for c in cells) and len(args.block_sizes) > 1:
         console.print(f"[dim]{', '.join(sorted(L8_BLOCK_TABLES & {c.lesson for c in cells}))} run L8's block tables "
                       f"(swept in L8's row) and ran at the largest block size only.[/]", soft_wrap=True)
+    for lesson in sorted({c.lesson for c in cells if c.options}, key=lambda name: int(name[1:])):
+        console.print(f"[dim]{lesson} ran with {' '.join(LESSON_OPTIONS[lesson])} in every cell.[/]", soft_wrap=True)
     if any(c.block_size is None for c in cells):
         console.print("[dim]—: the lesson has no blocks; it ran once per dtype and prompt set, shown under the first "
                       "block size.[/]", soft_wrap=True)
