@@ -40,11 +40,11 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert names[:2] == ["L1", "L2"]
     for lesson in ("L3", "L4", "L5", "L6"):
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
-    for lesson in ("L7", "L8", "L9", "L10"):
+    for lesson in ("L7", "L8", "L9", "L10", "L11"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 4 * 3 == len(set(names))
+    assert len(smokes) == 2 + 2 * 4 + 5 * 3 == len(set(names))
     tp = {c.argv[c.argv.index("--tp") + 1] for c in smokes if "--tp" in c.argv}
-    assert tp == {"1"} and all(("--tp" in c.argv) == c.name.startswith("L10") for c in smokes)
+    assert tp == {"1"} and all(("--tp" in c.argv) == c.name.startswith(("L10", "L11")) for c in smokes)
     assert {c.argv[c.argv.index("--tp") + 1] for c in plan(None, options(), gpus=4) if "--tp" in c.argv} == {"2"}
     assert [c.command() for c in checks if c.kind != "smoke"] == [
         "python scripts/benchmark/l7_bench.py --device cuda",
