@@ -5,7 +5,7 @@
     python scripts/gpu_check.py --dry-run              # what it would run (works without a GPU)
 
 Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7 on: graphs on and
-off; L10 on two GPUs over NCCL when there are two), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
+off; L10 and L11 on two GPUs over NCCL when there are two), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
 (the token-budget sweep, where chunking should cost some throughput, unlike on a CPU), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
@@ -49,7 +49,7 @@ def smoke_options(script: Path) -> set[str]:
 
 def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> list[Check]:
     """Every check, in the order they run. `options`: each smoke script -> which of --backend, --graphs, --tp it
-    takes. L10 runs on two GPUs over NCCL when there are two; on one GPU, at --tp 1 (no collective to make)."""
+    takes. L10 and L11 run on two GPUs over NCCL when there are two; on one GPU, at --tp 1 (no collective to make)."""
     checks = []
     for label, model_args in [("embedded", [])] + ([(model, ["--model", model])] if model else []):
         for script, opts in options.items():
