@@ -48,6 +48,7 @@ class L11Engine(L9Engine):
                              self.long_prefill_threshold, num_speculative_tokens=self.num_speculative_tokens)
 
     def step(self) -> list[SharedSequence]:
+        """L8's plan with drafts behind its decodes -> one forward -> keep what verifies -> roll the rest back."""
         self.clock += 1
         plan = self.scheduler.schedule()
         if not plan:
