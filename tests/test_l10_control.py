@@ -127,7 +127,7 @@ def deliver(sender: FakeDist, monkeypatch) -> tuple:
 
 def test_every_kind_of_message_round_trips_as_int64_tensors_without_pickle(monkeypatch, no_pickle):
     slices, copies = a_step()
-    messages = [("load", "/models/tiny qwen3 ✓", "float32"), ("build_runner", 16, 257, "torch"),
+    messages = [("load", "/models/tiny qwen3 ✓", "float32"), ("build_runner", 16, 257, "torch", "int8"),
                 ("capture", [1, 2, 4], 256), ("run_step", slices, copies)]
     for kind, *args in messages:
         sender = FakeDist().install(monkeypatch)

@@ -85,7 +85,7 @@ def test_a_pool_with_no_kv_heads_is_an_error_not_a_crash():
 @needs_kernel
 @pytest.mark.parametrize("q_shape,k_shape,message", [
     ((1, 6, 64), (2, 4, 4, 64), r"^Hq \(6\) must be a positive multiple of Hkv \(4\)"),
-    ((1, 4, 64), (2, 4, 2, 32), r"^head_dim: q has 64, the pool 32"),
+    ((1, 4, 64), (2, 4, 2, 32), r"^head_dim: q has 64, so the pool.s rows need 64 elements, it has 32"),
     ((1, 4, 12), (2, 4, 2, 12), r"^head_dim must be a positive multiple of 8, got 12"),
     ((1, 4, 64), (2, 0, 2, 64), r"^block size must be at least 1, got 0"),
 ])

@@ -19,10 +19,12 @@ from lessons.l10_tensor_parallel.wire import SentSlice
 
 
 class TpRunner(ChunkedRunner):
+    kv_dtype = "auto"  # the pool's dtype: the model's (L12's quantized runners say int8 or fp8)
+
     def __init__(self, model: TpQwen3ForCausalLM, block_size: int, num_blocks: int, backend: str = "auto"):
         self.tp = model.tp
         self.sent_tables, self.kept_tables = SentTables(), KeptTables()  # rank 0 uses the first, followers the second
-        with self.tp.lead("build_runner", block_size, num_blocks, backend):
+        with self.tp.lead("build_runner", block_size, num_blocks, backend, self.kv_dtype):
             super().__init__(model, block_size, num_blocks, backend)  # a pool of this rank's KV heads only
 
     def capture(self, sizes: list[int], dummy_block: int) -> None:

@@ -12,6 +12,7 @@ from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import AttentionBackend, make_backend
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l3_block_tensor.kv_pool import BlockKvPool
+from shared.config import Qwen3Config
 from shared.model import Qwen3ForCausalLM
 
 
@@ -20,8 +21,15 @@ class PagedRunner:
         self.model, self.block_size = model, block_size
         self.device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.allocator = BlockAllocator(num_blocks)
-        self.pool = BlockKvPool(model.config, num_blocks, block_size, dtype, self.device)
-        self.backend = make_backend(backend, model.config, dtype, self.device) if isinstance(backend, str) else backend
+        self.pool = self.make_pool(model.config, num_blocks, block_size, dtype)
+        self.backend = self.make_backend(backend, dtype) if isinstance(backend, str) else backend
+
+    # Two seams for L12, whose pool stores int8 and whose backends read it.
+    def make_pool(self, cfg: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockKvPool:
+        return BlockKvPool(cfg, num_blocks, block_size, dtype, self.device)
+
+    def make_backend(self, name: str, dtype: torch.dtype) -> AttentionBackend:
+        return make_backend(name, self.model.config, dtype, self.device)
 
     def forward(self, requests: list[Request]) -> torch.Tensor:
         """Feed every request's uncached tokens in one flat stream -> fp32 logits [B, vocab] of each one's last."""

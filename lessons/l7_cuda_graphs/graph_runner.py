@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from lessons.l2_token_flat.request import Request
-from lessons.l3_block_tensor.backends import AttentionBackend, make_backend
+from lessons.l3_block_tensor.backends import AttentionBackend
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l3_block_tensor.runner import PagedRunner
 from lessons.l7_cuda_graphs.capture_sizes import padded_size
@@ -67,7 +67,7 @@ class GraphRunner(PagedRunner):
             if self.uses_cuda_graphs:
                 backend = cuda_graph.GraphDecodeBackend(cfg, dtype, size, max_pages, workspace)
             elif isinstance(self.backend_choice, str):
-                backend = make_backend(self.backend_choice, cfg, dtype, self.device)
+                backend = self.make_backend(self.backend_choice, dtype)
             else:
                 backend = self.backend_choice
             step = SizedStep(size, self.padded_meta(size), backend)

@@ -21,7 +21,9 @@
 //   output = accumulator / sum, per lane
 //
 // K, V and q are read in their own dtype and widened to fp32 in registers as they are loaded (bf16: a shift),
-// so there is no fp32 copy of a page. Work items are independent, so they run in parallel over torch's
+// so there is no fp32 copy of a page. int8 pages (L12) carry each row's fp32 scale in the row's last 4 bytes
+// ([N, S, Hkv, D + 4]): a key row's scale multiplies its scores, a value row's its softmax weights, so the
+// rows are widened from int8 and never dequantized into memory either. Work items are independent, so they run in parallel over torch's
 // intra-op threads, each thread taking the next item, longest first, until none are left.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,6 +35,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,6 +47,7 @@ constexpr int64_t kTileRows = 32;
 
 struct Shape {
   int64_t hq, hkv, group, d, s;  // query heads, KV heads, query heads per KV head, head dim, block size
+  int64_t row;                   // elements of one KV head's row in the pool: d, or d + kScaleBytes for int8
 };
 
 // One work item, as one row of the plan's int64 tensor [items, kItemFields].
@@ -63,7 +67,9 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
 constexpr int64_t kVec = 8;  // floats in one f32x8
+constexpr int64_t kScaleBytes = sizeof(float);  // an int8 row's scale, stored after its D codes
 
 // Eight values from memory, widened to fp32 in registers: the kernel never copies a page to convert it.
 inline f32x8 load8(const float* p) {
@@ -83,6 +89,13 @@ inline f32x8 load8(const c10::BFloat16* p) {
   f32x8 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+}
+
+// int8 codes (L12's pages): sign-extended and converted, eight at once (two instructions on AVX2).
+inline f32x8 load8(const int8_t* p) {
+  i8x8 c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, f32x8);
 }
 
 template <typename T>  // fp16, fp64: converted one value at a time (rare on a CPU; correct, not fast)
@@ -272,6 +285,7 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t d) {
 // row r, query head j of that head's group; a KV head's lanes are contiguous, so score_page sees one matrix.
 struct Scratch {
   std::vector<float> q, acc, weights, row_max, row_sum;
+  std::vector<float> scales;     // int8 pages: the scales of the current page's rows of one KV head
   std::vector<int64_t> visible;  // per tile row: keys of the current page it may see (0: none)
   int64_t ws;                    // floats per lane in `weights`: S rounded up to whole f32x8s
 
@@ -282,6 +296,7 @@ struct Scratch {
     weights.resize(lanes * ws);
     row_max.resize(lanes);
     row_sum.resize(lanes);
+    scales.resize(ws);
     visible.resize(tile_rows);
   }
 };
@@ -298,9 +313,22 @@ void score_head(const float* q, int64_t lanes, const T* k, int64_t n, int64_t st
     score_page<1, 8>(q, lanes, k, n, stride, d, s, ws);
 }
 
-template <typename T>
-void attend_item(const int64_t* item, const Shape& sh, const T* q, const T* k_cache, const T* v_cache,
+// int8 pages: the scales of n rows (`stride` apart), each stored after its row's d codes.
+inline void row_scales(const int8_t* rows, int64_t n, int64_t stride, int64_t d, float* scales) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(scales + t, rows + t * stride + d, sizeof(float));
+}
+
+// x[l * ws + t] *= scales[t] for `lanes` lanes and t < n: a key's scale on its scores, a value's on its weights.
+inline void scale_keys(float* x, int64_t lanes, int64_t ws, const float* scales, int64_t n) {
+  for (int64_t l = 0; l < lanes; ++l)
+    for (int64_t t = 0; t < n; ++t) x[l * ws + t] *= scales[t];
+}
+
+// T: q's and the output's dtype; KT: the pool's (T itself, or int8_t for L12's quantized pages).
+template <typename T, typename KT>
+void attend_item(const int64_t* item, const Shape& sh, const T* q, const KT* k_cache, const KT* v_cache,
                  const int32_t* pages, T* out, Scratch& w) {
+  constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
   const int64_t kv_begin = item[kChunk] * sh.hkv / item[kChunks];
   const int64_t kv_end = (item[kChunk] + 1) * sh.hkv / item[kChunks];
   const int64_t row_begin = item[kRowBegin], rows = item[kRowEnd] - row_begin, d = sh.d, g = sh.group;
@@ -321,7 +349,7 @@ void attend_item(const int64_t* item, const Shape& sh, const T* q, const T* k_ca
   // Causal, bottom-right aligned: the row at position first_pos + i sees keys 0 .. first_pos + i.
   const int64_t first_row = item[kFirstPos] + (row_begin - item[kRow0]);  // the tile's first row's position
   const int64_t tile_keys = first_row + rows;                             // what the tile's last row sees
-  const int64_t token_size = sh.hkv * d;                                  // NHD: one token's K (or V) rows
+  const int64_t token_size = sh.hkv * sh.row;                             // NHD: one token's K (or V) rows
   const int64_t ws = w.ws;
   for (int64_t p = 0; p * sh.s < tile_keys; ++p) {
     const int64_t page_start = p * sh.s, page_tokens = std::min(sh.s, tile_keys - page_start);
@@ -331,18 +359,26 @@ void attend_item(const int64_t* item, const Shape& sh, const T* q, const T* k_ca
     const bool more = (p + 1) * sh.s < tile_keys;
     const int64_t next_offset = more ? static_cast<int64_t>(pages[p + 1]) * sh.s * token_size : 0;
     for (int64_t h = 0; h < kv_end - kv_begin; ++h) {
-      const int64_t lane0 = h * head_lanes, head_offset = page_offset + (kv_begin + h) * d;
+      const int64_t lane0 = h * head_lanes, head_offset = page_offset + (kv_begin + h) * sh.row;
       if (more) {
-        prefetch_rows(k_cache + next_offset + (kv_begin + h) * d, sh.s, token_size, d);
-        prefetch_rows(v_cache + next_offset + (kv_begin + h) * d, sh.s, token_size, d);
+        prefetch_rows(k_cache + next_offset + (kv_begin + h) * sh.row, sh.s, token_size, sh.row);
+        prefetch_rows(v_cache + next_offset + (kv_begin + h) * sh.row, sh.s, token_size, sh.row);
       }
       float* s = &w.weights[lane0 * ws];
       float* acc = &w.acc[lane0 * d];
       score_head(&w.q[lane0 * d], head_lanes, k_cache + head_offset, page_tokens, token_size, d, s, ws);
+      if constexpr (kInt8) {  // q . (code x scale) = (q . code) x scale: one multiply per score
+        row_scales(k_cache + head_offset, page_tokens, token_size, d, w.scales.data());
+        scale_keys(s, head_lanes, ws, w.scales.data(), page_tokens);
+      }
       for (int64_t r = 0, lane = 0; r < rows; ++r)
         for (int64_t j = 0; j < g; ++j, ++lane)
           softmax_page(s + lane * ws, w.visible[r], ws, w.row_max[lane0 + lane], w.row_sum[lane0 + lane],
                        acc + lane * d, d);
+      if constexpr (kInt8) {  // weight x (code x scale) = (weight x scale) x code; the sums keep the bare weights
+        row_scales(v_cache + head_offset, page_tokens, token_size, d, w.scales.data());
+        scale_keys(s, head_lanes, ws, w.scales.data(), page_tokens);
+      }
       add_weighted(acc, head_lanes, s, ws, v_cache + head_offset, page_tokens, token_size, d);
     }
   }
@@ -417,7 +453,8 @@ at::Tensor plan(const at::Tensor& qo_indptr_in, const at::Tensor& kv_indptr_in, 
   return items;
 }
 
-// q [T, Hq, D]; k_cache, v_cache [N, S, Hkv, D] (this step's K/V already written); the step's kv_indptr and
+// q [T, Hq, D]; k_cache, v_cache [N, S, Hkv, D] (this step's K/V already written), or int8 pages
+// [N, S, Hkv, D + 4] whose rows end in their fp32 scale (L12); the step's kv_indptr and
 // kv_indices, and its plan's work items. Returns [T, Hq, D] in q's dtype; softmax and sums in fp32 whatever the
 // storage. Checks every shape, that the work items stay inside q and inside their requests' pages, and that
 // every page is a block of the pool: a bad plan or pool is an error, not a read outside memory.
@@ -426,16 +463,20 @@ at::Tensor run_planned(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, con
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [T, Hq, D] and k_cache, v_cache [N, S, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  const bool int8_pages = k_cache.scalar_type() == at::kChar;  // L12: int8 codes, each row's scale after them
+  TORCH_CHECK(int8_pages || q.scalar_type() == k_cache.scalar_type(),
+              "q and the pool must share a dtype (or the pool be int8 pages)");
   // Every size is checked before the first division by one: a pool with no KV heads is an error, not a
   // division by zero that kills the process.
   const int64_t hq = q.size(1), hkv = k_cache.size(2), d = q.size(2), s = k_cache.size(1);
   TORCH_CHECK(hkv >= 1 && hq >= 1 && hq % hkv == 0, "Hq (", hq, ") must be a positive multiple of Hkv (", hkv, ")");
-  TORCH_CHECK(k_cache.size(3) == d, "head_dim: q has ", d, ", the pool ", k_cache.size(3));
+  const int64_t row = int8_pages ? d + kScaleBytes : d;  // a KV head's row in the pool
+  TORCH_CHECK(k_cache.size(3) == row, "head_dim: q has ", d, ", so the pool's rows need ", row, " elements",
+              int8_pages ? " (int8 codes and a 4-byte scale)" : "", ", it has ", k_cache.size(3));
   TORCH_CHECK(d >= kVec && d % kVec == 0, "head_dim must be a positive multiple of ", kVec, ", got ", d);
   TORCH_CHECK(s >= 1, "block size must be at least 1, got ", s);
-  const Shape sh{hq, hkv, hq / hkv, d, s};
+  const Shape sh{hq, hkv, hq / hkv, d, s, row};
   TORCH_CHECK(items_in.scalar_type() == at::kLong && items_in.dim() == 2 && items_in.size(1) == kItemFields,
               "work items must be plan()'s int64 tensor [items, ", static_cast<int64_t>(kItemFields), "]");
   for (const at::Tensor* t : {&kv_indptr_in, &kv_indices_in})
@@ -467,21 +508,25 @@ at::Tensor run_planned(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, con
   at::Tensor out = at::empty_like(q);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    // Each thread takes the next item until none are left: items differ in length (a 640-token history
-    // against a 32-token one), and fixed shares would leave one thread idle while the other finishes.
-    std::atomic<int64_t> next{0};
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      Scratch scratch(sh, tile_rows);
-      for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
-        const int64_t* it = work + i * kItemFields;
-        attend_item<scalar_t>(it, sh, qp, kp, vp, idx + kv_start[it[kRequest]], op, scratch);
-      }
-    });
+    const auto attend_all = [&](const auto* kp, const auto* vp) {
+      const scalar_t* qp = q.data_ptr<scalar_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      // Each thread takes the next item until none are left: items differ in length (a 640-token history
+      // against a 32-token one), and fixed shares would leave one thread idle while the other finishes.
+      std::atomic<int64_t> next{0};
+      const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        Scratch scratch(sh, tile_rows);
+        for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
+          const int64_t* it = work + i * kItemFields;
+          attend_item(it, sh, qp, kp, vp, idx + kv_start[it[kRequest]], op, scratch);
+        }
+      });
+    };
+    if (int8_pages)
+      attend_all(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else
+      attend_all(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -1,0 +1,44 @@
+"""A runner whose pool stores K and V quantized: any earlier runner (L8's, L10's) with L3's two seams,
+`make_pool` and `make_backend`, answered differently. Nothing else about a step changes: the model writes
+K/V through the pool (which quantizes) and attention reads the pool (the backend dequantizes as it reads)."""
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from lessons.l3_block_tensor.backends import AttentionBackend
+from lessons.l3_block_tensor.kv_pool import BlockKvPool
+from lessons.l12_kv_quant.backends import int8_backend
+from lessons.l12_kv_quant.kv_pool import Int8KvPool
+from shared.config import Qwen3Config
+from shared.errors import CourseError
+
+KV_DTYPES = ("auto", "int8")  # auto: the model's dtype, every earlier lesson's pool
+
+
+def check_kv_dtype(kv_dtype: object) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise CourseError(f"unknown kv-dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
+class QuantKvRunner:
+    """Mixed in before a runner class (quantized() builds the pair)."""
+
+    kv_dtype = "int8"
+
+    def make_pool(self, cfg: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockKvPool:
+        return Int8KvPool(cfg, num_blocks, block_size, self.device)
+
+    def make_backend(self, name: str, dtype: torch.dtype) -> AttentionBackend:
+        return int8_backend(name, self.device)
+
+
+@cache
+def quantized(runner_class: type, kv_dtype: str) -> type:
+    """runner_class over a pool of `kv_dtype` pages: a subclass with QuantKvRunner's seams, made once per pair
+    (so rank 0 and every follower build the same class from the same two names)."""
+    if check_kv_dtype(kv_dtype) == "auto":
+        return runner_class
+    return type(f"{kv_dtype.capitalize()}{runner_class.__name__}", (QuantKvRunner, runner_class), {"kv_dtype": kv_dtype})
