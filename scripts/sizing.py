@@ -462,9 +462,62 @@ def topic_parallel() -> None:
           f"{kv / 8 / 1e9:.1f} GB of KV and {flop / 8 / H100_BF16_FLOPS:.2f} s each")
 
 
+# KV storage formats for topic_kvquant: (bytes per element, bytes added per row of D, i.e. per token and KV head).
+# int8 is this course's (lessons/l12_kv_quant: an fp32 scale after each row's codes); fp8 e4m3 as vLLM and
+# FlashInfer store it, one scale per tensor (per layer), which adds no bytes per token.
+KVQ_FORMATS = {"bf16": (2, 0), "int8": (1, 4), "fp8": (1, 0)}
+KVQ_MODELS = ("Qwen3-8B", "Qwen3-32B")
+KVQ_REQUEST_TOKENS, KVQ_CONTEXTS, KVQ_BLOCK = 4096, (4096, 32768), 16
+
+
+def kvq_row_bytes(cfg: Qwen3Config, fmt: str) -> int:
+    """One token's K (or V) for one KV head, as stored."""
+    nbytes, extra = KVQ_FORMATS[fmt]
+    return cfg.head_dim * nbytes + extra
+
+
+def kvq_token_bytes(cfg: Qwen3Config, fmt: str) -> int:
+    """One token's K and V over every layer and KV head, as stored: 2 x layers x Hkv x row bytes."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * kvq_row_bytes(cfg, fmt)
+
+
+def topic_kvquant() -> None:
+    print(f"Quantized KV on one {GPU_BYTES / 1e9:.0f} GB card, weights in bf16 beside it (no reserve for activations or "
+          "workspace: an upper bound).")
+    print("A row is one token's K or V for one KV head: bf16 D x 2 B; int8 D x 1 B + a 4 B fp32 scale (per token and "
+          "KV head); fp8 D x 1 B, one scale per tensor (no bytes per row).")
+    print(f"requests: how many of {KVQ_REQUEST_TOKENS:,} tokens each fit at once; decode read: the KV one request's "
+          f"new token reads at a context of {KVQ_CONTEXTS[0]:,} / {KVQ_CONTEXTS[1]:,} tokens, and that read at "
+          f"{H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s (H100 SXM).")
+    for name in KVQ_MODELS:
+        cfg, nbytes = qwen3_config(name), 2
+        total = params(cfg)[0]
+        left = GPU_BYTES - total * nbytes
+        base = kvq_token_bytes(cfg, "bf16")
+        print(f"{name}: {total:,} parameters x {nbytes} B = {total * nbytes / 1e9:.1f} GB, {left / 1e9:.1f} GB left "
+              f"for KV; per token 2 (K, V) x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x "
+              f"a row (D = {cfg.head_dim})")
+        print(f"  {'format':<6} {'row':>6} {'per token':>10} {'x bf16':>7} {'tokens of KV':>13} "
+              f"{f'blocks of {KVQ_BLOCK}':>13} {'requests':>9} {'read at 4k':>11} {'time':>8} {'read at 32k':>12} "
+              f"{'time':>8}")
+        for fmt in KVQ_FORMATS:
+            row, per = kvq_row_bytes(cfg, fmt), kvq_token_bytes(cfg, fmt)
+            tokens = int(left // per)
+            reads = [(ctx * per, ctx * per / H100_HBM_BYTES_PER_S) for ctx in KVQ_CONTEXTS]
+            print(f"  {fmt:<6} {row:>4} B {kib(per):>10} {base / per:>6.3f}x {tokens:>13,} "
+                  f"{tokens // KVQ_BLOCK:>13,} {tokens // KVQ_REQUEST_TOKENS:>9,} "
+                  + " ".join(f"{mib(b, 0):>11} {us(t):>8}" for b, t in reads))
+    scale = KVQ_FORMATS["int8"][1]
+    for d in (128, 64):  # Qwen3's D; the course's small models' (embedded, bench shape)
+        int8, bf16 = d + scale, 2 * d
+        print(f"  D = {d}: the int8 scale is {scale} B of every {int8} B row ({scale / int8:.1%}); int8 holds "
+              f"{bf16} / {int8} = {bf16 / int8:.3f}x the bf16 tokens in the same bytes (fp8: 2x)")
+
+
 TOPICS = {"kv": topic_kv, "reserve": topic_reserve, "pages": topic_pages, "pool": topic_pool, "swap": topic_swap,
           "prefix": topic_prefix, "launches": topic_launches, "buffers": topic_buffers, "chunk": topic_chunk,
-          "spec": topic_spec, "tp": topic_tp, "tp-comm": topic_tp_comm, "parallel": topic_parallel}
+          "spec": topic_spec, "tp": topic_tp, "tp-comm": topic_tp_comm, "parallel": topic_parallel,
+          "kvquant": topic_kvquant}
 
 
 def main() -> None:
