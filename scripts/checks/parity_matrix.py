@@ -100,9 +100,16 @@ def no_arg_cell(script: Path, help_text: str, on_cuda: bool) -> Cell:
 # L8's cells sweep every block size; theirs run at the largest one asked for, checking what they add (the
 # server, the split) at a third of the cost (a cell starts a server or a second rank).
 L8_BLOCK_TABLES = {"L9", "L10"}
+# Lessons whose block sizes a test sweeps more thoroughly than three smoke runs: L11's drafts crossing block
+# boundaries and rolling back run at block sizes drawn from 1 to 16 (1, 4 and 16 always among them) in
+# tests/test_l11_invariants.py: seeded workloads, every step's invariants, every output against L9's engine (whose
+# tokens the matrix checks against HF's at every block size). Their cells, too, run at the largest block size
+# only: L11's 12 runs took 124 s of the CI matrix (a 2-core box at load 1); its 4 keep HF parity with drafts.
+SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py"}
+LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS)
 # A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
-# verify row of up to K drafts that cross block boundaries and roll back at each block size and dtype (the
-# n-gram drafter of its no-argument run drafts once on the random-weight model, which .ci/run has just run).
+# verify row of up to K drafts that cross block boundaries and roll back, in each dtype (the n-gram drafter of
+# its no-argument run drafts once on the random-weight model, which .ci/run has just run).
 # Its cells are then no cell of a no-argument run, so --skip-no-arg-runs leaves none of them out.
 LESSON_OPTIONS = {"L11": ("--drafter", "draft")}
 
@@ -112,7 +119,7 @@ def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], bl
     cells = []
     for script, blocks in smokes.items():
         lesson = "L" + SMOKE.match(script.name).group(1)
-        sizes = [max(block_sizes)] if lesson in L8_BLOCK_TABLES else block_sizes
+        sizes = [max(block_sizes)] if lesson in LARGEST_BLOCK_ONLY else block_sizes
         for prompts in prompt_sets:
             for dtype in dtypes:
                 for size in sizes if blocks else [None]:
@@ -199,6 +206,10 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
     if any(c.lesson in L8_BLOCK_TABLES for c in cells) and len(args.block_sizes) > 1:
         console.print(f"[dim]{', '.join(sorted(L8_BLOCK_TABLES & {c.lesson for c in cells}))} run L8's block tables "
                       f"(swept in L8's row) and ran at the largest block size only.[/]", soft_wrap=True)
+    for lesson in sorted({c.lesson for c in cells} & set(SWEPT_BY_TESTS), key=lambda name: int(name[1:])):
+        if len(args.block_sizes) > 1:
+            console.print(f"[dim]{lesson} ran at the largest block size only: {SWEPT_BY_TESTS[lesson]} sweeps its "
+                          f"block sizes.[/]", soft_wrap=True)
     for lesson in sorted({c.lesson for c in cells if c.options}, key=lambda name: int(name[1:])):
         console.print(f"[dim]{lesson} ran with {' '.join(LESSON_OPTIONS[lesson])} in every cell.[/]", soft_wrap=True)
     if any(c.block_size is None for c in cells):
