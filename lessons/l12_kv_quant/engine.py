@@ -16,7 +16,7 @@ from shared.config import Qwen3Config
 from shared.errors import CourseError
 from shared.model import Qwen3ForCausalLM
 
-STORAGE = {"int8": torch.int8}  # kv_dtype -> what the pool holds ("auto": the model's dtype)
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # kv_dtype -> what the pool holds ("auto": the model's dtype)
 
 
 def storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

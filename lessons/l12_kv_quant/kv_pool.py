@@ -30,6 +30,7 @@ class Int8KvPool(BlockKvPool):
 
 
 def block_bytes(cfg: Qwen3Config, block_size: int, kv_dtype: torch.dtype) -> int:
-    """One block's K and V over every layer: int8 rows carry their scale, other dtypes D values each."""
+    """One block's K and V over every layer: int8 rows carry their scale, other dtypes D values each (fp8: D bytes,
+    its scales are one per layer, not per row)."""
     row = cfg.head_dim + SCALE_BYTES if kv_dtype == torch.int8 else cfg.head_dim * kv_dtype.itemsize
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * row

@@ -10,11 +10,12 @@ import torch
 from lessons.l3_block_tensor.backends import AttentionBackend
 from lessons.l3_block_tensor.kv_pool import BlockKvPool
 from lessons.l12_kv_quant.backends import int8_backend
+from lessons.l12_kv_quant.fp8 import Fp8KvPool, fp8_backend
 from lessons.l12_kv_quant.kv_pool import Int8KvPool
 from shared.config import Qwen3Config
 from shared.errors import CourseError
 
-KV_DTYPES = ("auto", "int8")  # auto: the model's dtype, every earlier lesson's pool
+KV_DTYPES = ("auto", "int8", "fp8")  # auto: the model's dtype, every earlier lesson's pool; fp8: e4m3 (CUDA)
 
 
 def check_kv_dtype(kv_dtype: object) -> str:
@@ -29,9 +30,13 @@ class QuantKvRunner:
     kv_dtype = "int8"
 
     def make_pool(self, cfg: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockKvPool:
+        if self.kv_dtype == "fp8":
+            return Fp8KvPool(cfg, num_blocks, block_size, self.device)
         return Int8KvPool(cfg, num_blocks, block_size, self.device)
 
     def make_backend(self, name: str, dtype: torch.dtype) -> AttentionBackend:
+        if self.kv_dtype == "fp8":  # the pool exists by now (L3 makes it first): the backend reads its scales
+            return fp8_backend(name, self.model.config, dtype, self.device, self.pool)
         return int8_backend(name, self.device)
 
 
