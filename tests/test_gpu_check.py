@@ -49,8 +49,9 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert [c.command() for c in checks if c.kind != "smoke"] == [
         "python scripts/benchmark/l7_bench.py --device cuda",
         "python scripts/benchmark/l8_bench.py --device cuda --quick --no-png",
+        "python scripts/gpu_check.py --l12-fp8",
         "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py "
-        "tests/test_l8_flashinfer_contract.py"]
+        "tests/test_l8_flashinfer_contract.py tests/test_l12_fp8.py"]
 
 
 def test_a_model_repeats_every_check_but_the_contract_tests_on_that_checkpoint():
@@ -85,8 +86,8 @@ def test_the_report_is_markdown_with_every_check_its_result_and_the_bench_table(
     assert len(rows) == len(checks)
     assert "| L3 torch | embedded | FAIL | 1.2 | `python scripts/l3_smoke.py --json --device cuda --dtype bfloat16 " \
            "--backend torch` | a \\| note |" in rows
-    benches = sum(c.kind == "bench" for c in checks)  # l7_bench and l8_bench: each output in its own fenced block
-    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2 * benches == 4
+    benches = sum(c.kind == "bench" for c in checks)  # l7_bench, l8_bench, L12 fp8: each output in its own fenced block
+    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2 * benches == 6
 
 
 @pytest.mark.parametrize("argv, message", [(["--model", " "], "--model is empty"), (["--bogus"], "unrecognized")])

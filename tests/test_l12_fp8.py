@@ -454,3 +454,15 @@ def test_power_of_two_scales_change_nothing_but_the_subnormals(tiny_model, promp
     one, scaled = (torch.cat(list(teacher_forced_logits(r, stream))) for r in runners)
     kl = (one.log_softmax(-1).exp() * (one.log_softmax(-1) - scaled.log_softmax(-1))).sum(-1)
     assert float(kl.mean()) < 0.02 and (one.argmax(-1) == scaled.argmax(-1)).float().mean() > 0.95
+
+
+def test_gpu_checks_l12_row_runs_on_the_cpu_with_the_oracle_standing_in(capsys):
+    """scripts/gpu_check.py --l12-fp8 (CUDA only) is this function on CUDA: here, on two short prompts, the torch
+    oracle stands in for FlashInfer, so the run, the leak check and every printed figure are exercised."""
+    from scripts.gpu_check import l12_fp8
+
+    assert l12_fp8(None, CPU, new_tokens=6, prompts=["The capital of France is", "Hello, world!"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks leaked: 0" in out and "with backend torch on cpu" in out
+    assert "fp8 KV misses the bf16 contract (printed, not judged)" in out
+    assert out.rstrip().endswith("L12 fp8: PASS (no leak, and torch agrees with the oracle within bf16's distance)")
