@@ -105,13 +105,15 @@ L8_BLOCK_TABLES = {"L9", "L10"}
 # tests/test_l11_invariants.py: seeded workloads, every step's invariants, every output against L9's engine (whose
 # tokens the matrix checks against HF's at every block size). Their cells, too, run at the largest block size
 # only: L11's 12 runs took 124 s of the CI matrix (a 2-core box at load 1); its 4 keep HF parity with drafts.
-SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py"}
+# L12's HF parity is its --kv-dtype auto (LESSON_OPTIONS), L11's engine and runner class exactly, swept there too;
+# its int8 pages have no parity to check (its no-argument run, made by .ci/run, checks the quality contract).
+SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py", "L12": "tests/test_l11_invariants.py"}
 LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS)
 # A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
 # verify row of up to K drafts that cross block boundaries and roll back, in each dtype (the n-gram drafter of
 # its no-argument run drafts once on the random-weight model, which .ci/run has just run).
 # Its cells are then no cell of a no-argument run, so --skip-no-arg-runs leaves none of them out.
-LESSON_OPTIONS = {"L11": ("--drafter", "draft")}
+LESSON_OPTIONS = {"L11": ("--drafter", "draft"), "L12": ("--kv-dtype", "auto")}
 
 
 def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int]) -> list[Cell]:
