@@ -2,15 +2,15 @@
 layer's attention reads.
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l12_bench.py [--model bench|tiny] [--pool-mib 16] [--prompt-len 128]
-        [--new-tokens 32] [--rounds 3] [--histories 512,2048,8192] [--attn-batch 8] [--attn-rounds 9] [--json PATH]
+        [--new-tokens 32] [--rounds 5] [--histories 512,2048,8192] [--attn-batch 8] [--attn-rounds 9] [--json PATH]
 
 a. Capacity: L12Engine's pool sized in bytes (--pool-mib) for each KV storage dtype: the blocks it holds (read
    from the engine) and how many requests of --prompt-len + --new-tokens tokens fit at once (none preempted).
 b. Decode throughput at that concurrency: each system gets as many requests as its pool holds, all at once, a
    token budget that prefills them in one step, then only decode steps are timed (eager steps, graphs=False, so
    a batch computes exactly its rows). Systems: fp32 KV (fp32 model, kv_dtype auto), bf16 KV (bf16 model, auto),
-   int8 KV on the fp32 model and on the bf16 model. A fresh engine per run, --rounds rounds in
-   harness.alternate's order; the median round is reported.
+   int8 KV on the fp32 model and on the bf16 model. Per round a fresh engine per system, the engines taking
+   turns a step at a time in harness.alternate's order; the median of --rounds rounds is reported.
 c. One layer's decode attention in L3's C++ kernel (CppBackend: plan once, run timed), Qwen3-8B's per-layer
    heads (32 query, 8 KV heads, D 128), --attn-batch decodes at each history, pages shuffled over the pool:
    fp32, bf16 and int8 pages (q fp32 for fp32 and int8 pages, bf16 for bf16's), each checked against the torch
@@ -25,7 +25,6 @@ import random
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from rich.console import Console
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import harness  # noqa: E402
 from attention_bench import median_times  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402
+from l11_bench import ints  # noqa: E402
 from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
 from lessons.l2_token_flat.request import Request  # noqa: E402
 from lessons.l3_block_tensor.backends import TorchBackend  # noqa: E402
@@ -61,23 +61,31 @@ BLOCKS_TARGET = 1.9
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
-def decode_run(model: Qwen3ForCausalLM, kv_dtype: str, prompts: list[list[int]], args) -> dict:
-    """All requests at once; one prefill step, then decode steps, timed."""
-    n = len(prompts)
-    engine = L12Engine(model, BLOCK, None, max_running=n, kv_dtype=kv_dtype, kv_bytes=int(args.pool_mib * MIB),
-                       graphs=False, max_batched_tokens=n * args.prompt_len)
-    seqs = [engine.add_request(p, StopRule(args.new_tokens, ignore_eos=True)) for p in prompts]
-    peak, decode_s, steps, tokens = 0, 0.0, 0, 0
-    while engine.scheduler.has_work():
+class Run:
+    """One system's requests, all at once on a fresh engine: one prefill step, then decode steps, timed. Runs take
+    turns a step at a time (capacity_and_decode), so a box that gets busier mid-round slows every system alike."""
+
+    def __init__(self, model: Qwen3ForCausalLM, kv_dtype: str, prompts: list[list[int]], args):
+        n = len(prompts)
+        self.engine = L12Engine(model, BLOCK, None, max_running=n, kv_dtype=kv_dtype, graphs=False,
+                                kv_bytes=int(args.pool_mib * MIB), max_batched_tokens=n * args.prompt_len)
+        self.seqs = [self.engine.add_request(p, StopRule(args.new_tokens, ignore_eos=True)) for p in prompts]
+        self.peak, self.decode_s, self.steps, self.tokens = 0, 0.0, 0, 0
+
+    def step(self) -> None:
+        seqs = self.seqs
         decoding, before = all(s.output_ids for s in seqs), sum(len(s.output_ids) for s in seqs)
         t0 = time.perf_counter()
-        engine.step()
+        self.engine.step()
         dt = time.perf_counter() - t0
-        peak = max(peak, len(engine.scheduler.running))
+        self.peak = max(self.peak, len(self.engine.scheduler.running))
         if decoding:
-            decode_s, steps, tokens = decode_s + dt, steps + 1, tokens + sum(len(s.output_ids) for s in seqs) - before
-    return {"blocks": engine.usable_blocks, "peak_running": peak, "preemptions": engine.stats.preemptions,
-            "decode_s": decode_s, "steps": steps, "tokens": tokens, "backend": harness.backend_name(engine)}
+            self.decode_s, self.steps = self.decode_s + dt, self.steps + 1
+            self.tokens += sum(len(s.output_ids) for s in seqs) - before
+
+    def result(self) -> dict:
+        return {"peak_running": self.peak, "preemptions": self.engine.stats.preemptions, "decode_s": self.decode_s,
+                "steps": self.steps, "tokens": self.tokens, "backend": harness.backend_name(self.engine)}
 
 
 def capacity_and_decode(args, console: Console) -> tuple[list[dict], set[str]]:
@@ -93,14 +101,22 @@ def capacity_and_decode(args, console: Console) -> tuple[list[dict], set[str]]:
         n = blocks // per_request
         if n < 1:
             raise CourseError(f"--pool-mib {args.pool_mib:g} holds no request of {per_request} blocks for {name}")
-        rows[name] = {"system": name, "kv": "int8" if kv == "int8" else NAMES[dtype], "blocks": blocks, "requests": n, "head_dim": cfg.head_dim}
+        rows[name] = {"system": name, "kv": "int8" if kv == "int8" else NAMES[dtype], "blocks": blocks, "requests": n,
+                      "head_dim": cfg.head_dim}
     prompts = [[rng.randrange(min(cfg.vocab_size, 151643)) for _ in range(args.prompt_len)]
                for _ in range(max(r["requests"] for r in rows.values()))]
-    for _, name in harness.alternate(list(SYSTEMS), args.rounds):
-        dtype, kv = SYSTEMS[name]
+    for r in range(args.rounds):
         with torch.inference_mode():
-            runs[name].append(decode_run(models[dtype], kv, prompts[:rows[name]["requests"]], args))
-        console.print(f"  {name}: {runs[name][-1]['decode_s']:.2f} s of decode", highlight=False)
+            live = {name: Run(models[dt], kv, prompts[:rows[name]["requests"]], args) for name, (dt, kv) in SYSTEMS.items()}
+            for _, name in harness.alternate(list(SYSTEMS), 10**9):  # a step each, in turns, until all finish
+                if not any(run.engine.scheduler.has_work() for run in live.values()):
+                    break
+                if live[name].engine.scheduler.has_work():
+                    live[name].step()
+        for name, run in live.items():
+            runs[name].append(run.result())
+        console.print(f"  round {r + 1}: " + ", ".join(f"{name} {run.decode_s:.2f} s" for name, run in live.items())
+                      + " of decode", highlight=False)
     for name, row in rows.items():
         rs = sorted(runs[name], key=lambda r: r["tokens"] / r["decode_s"])
         mid = rs[len(rs) // 2]  # the median round (the upper one of two)
@@ -185,23 +201,13 @@ def report(cap: list[dict], attn: list[dict], args, console: Console) -> list[st
             + f" of bf16's time: {'MET' if max(times) <= 1 else 'NOT MET'}"]
 
 
-def ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"integers of at least 1, got {text!r}")
-    return values
-
-
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l12_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=list(MODELS), default="bench", help="bench (default) or tiny, for a and b")
     p.add_argument("--pool-mib", type=float, default=16, help="KV pool bytes for every system (default 16 MiB)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request, EOS ignored (default 32)")
-    p.add_argument("--rounds", type=int, default=3, help="decode rounds per system (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="decode rounds (default 5)")
     p.add_argument("--histories", type=ints, default="512,2048,8192", help="attention history lengths (c)")
     p.add_argument("--attn-batch", type=int, default=8, help="decodes per attention call (default 8)")
     p.add_argument("--attn-rounds", type=int, default=9, help="alternating attention rounds (default 9)")
