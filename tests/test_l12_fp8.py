@@ -69,7 +69,8 @@ def test_pool_writes_through_its_scales_and_every_layer_has_its_own(tiny_model):
         assert pool.scales(pool.k[layer]) == (pool.k_scale[layer], pool.v_scale[layer])
         rows_k = pool.k[layer].flatten(0, 1)[slots].float() * pool.k_scale[layer]
         rows_v = pool.v[layer].flatten(0, 1)[slots].float() * pool.v_scale[layer]
-        assert torch.allclose(rows_k, k, rtol=2.0**-4, atol=2.0**-10) and torch.allclose(rows_v, v, rtol=2.0**-4, atol=2.0**-10)
+        assert torch.allclose(rows_k, k, rtol=2.0**-4, atol=2.0**-10)
+        assert torch.allclose(rows_v, v, rtol=2.0**-4, atol=2.0**-10)
     with pytest.raises(RuntimeError, match="not one of this pool's layers"):
         pool.scales(pool.k[0].clone())
     with pytest.raises(CourseError, match="positive finite"):
@@ -352,7 +353,8 @@ def test_the_flashinfer_fp8_backend_gives_the_oracles_logits(model_bf16, prompt_
     kl = (want.log_softmax(-1).exp() * (want.log_softmax(-1) - got.log_softmax(-1))).sum(-1)
     assert float(kl.max()) < 1e-4  # measured 2e-7: bf16 rounding of the outputs only (bf16 compute's own is 0.04)
     plans = [c for c in fake_flashinfer if c[0] == "plan"]
-    assert [c[1] for c in plans] == ["BatchPrefillWithPagedKVCacheWrapper"] + ["BatchDecodeWithPagedKVCacheWrapper"] * (len(stream) - 40)
+    decodes = len(stream) - 40
+    assert [c[1] for c in plans] == ["BatchPrefillWithPagedKVCacheWrapper"] + ["BatchDecodeWithPagedKVCacheWrapper"] * decodes
     runs = [c[2] for c in fake_flashinfer if c[0] == "run"]
     assert len(runs) == len(plans) * cfg.num_hidden_layers
     pool = runners[1].pool

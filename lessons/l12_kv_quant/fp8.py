@@ -8,9 +8,9 @@ per layer here. q stays in the model's dtype (bf16 or fp16): `plan` says so with
 dtype with kv_data_type=torch.float8_e4m3fn.
 
 The scales are fixed at 1.0, vLLM's default: e4m3 keeps 3 mantissa bits from 2^-6 up to 448, and the embedded
-model's K and V lie between about 0.01 and 11 (99% of them above 2^-6), so no calibration is needed and nothing has to be measured on a first
-forward (which, under L7's graph capture, would be a dummy batch). A scale per token would be int8's design;
-fp8 spends no bytes on scales: a row is D bytes.
+model's K and V lie between about 0.01 and 11 (99% of them above 2^-6), so no calibration is needed and nothing
+has to be measured on a first forward (which, under L7's graph capture, would be a dummy batch). A scale per
+token would be int8's design; fp8 spends no bytes on scales: a row is D bytes.
 
 On the CPU the torch oracle reads the same pages (e4m3 casts work on CPU tensors): it gathers a request's rows,
 widens them to fp32, multiplies the scales back and attends. The C++ kernel reads int8 rows, not these.
