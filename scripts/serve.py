@@ -5,6 +5,7 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py --model DIR --port 0 # a checkpoint directory, on a free port
     python scripts/serve.py --tp 2               # L10: the model split across two ranks (gloo on CPU)
     python scripts/serve.py --speculative ngram  # L11: drafts guessed by prompt lookup, checked each step
+    python scripts/serve.py --kv-dtype int8      # L12: K and V stored as int8 with a scale per token and head
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
@@ -46,6 +47,9 @@ from lessons.l11_speculative import L11Engine, L11TpEngine  # noqa: E402
 from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
 from lessons.l11_speculative.engine import DEFAULT_NUM_SPECULATIVE_TOKENS  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
+from lessons.l12_kv_quant import L12Engine, L12TpEngine  # noqa: E402
+from lessons.l12_kv_quant.backends import int8_backend  # noqa: E402
+from lessons.l12_kv_quant.runner import KV_DTYPES  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
 from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
@@ -95,6 +99,10 @@ def parser() -> OneLineParser:
                         f"needs --speculative)")
     p.add_argument("--draft-model", help="with --speculative draft: a Qwen3 checkpoint directory or hub id with the "
                    "target's tokenizer (default: the target's own checkpoint)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="L12: how the KV pool stores K and V: auto (the model's dtype, every earlier lesson's pool) "
+                        "or int8 (one fp32 scale per token and KV head; without --num-blocks the pool gets the bytes "
+                        "of the default pool in the model's dtype, so it holds more blocks) (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
@@ -228,6 +236,8 @@ def build(args) -> tuple[Server, socket.socket]:
     check_speculation(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.kv_dtype == "int8":  # int8 pages are read by the C++ CPU kernel or the torch oracle: say so before loading
+        int8_backend(args.backend, device)
     model_dir = resolve_model_dir(args.model, default_model_dir)
     config = Qwen3Config.from_dir(model_dir)
     tensor_shapes(model_dir)  # missing or corrupt weights fail here, before loading
@@ -245,14 +255,22 @@ def build(args) -> tuple[Server, socket.socket]:
         engine_class = L11Engine if args.tp == 1 else L11TpEngine
         speculation = dict(drafter=drafter,
                            num_speculative_tokens=args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS)
+    quantized_kv = {}  # with the default --kv-dtype auto: the engine above, its pool in the model's dtype
+    if args.kv_dtype != "auto":  # L12: L11's engine (drafting or not) over int8 pages, its pool sized in bytes
+        engine_class = L12Engine if args.tp == 1 else L12TpEngine
+        quantized_kv = dict(kv_dtype=args.kv_dtype)
     engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
                           graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
                           max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
-                          long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation)
+                          long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation,
+                          **quantized_kv)
     engine.stats.record_timeline = False
+    kv_line = ""
+    if args.kv_dtype != "auto":
+        kv_line = f" · kv-dtype {args.kv_dtype} · kv-blocks {engine.allocator.num_blocks}"
     # What a benchmark's conditions line needs from the server itself: the backend `auto` resolved to, the threads.
     print(f"engine: backend {engine.runner.backend.name} · threads {torch.get_num_threads()} · device {device.type}"
-          f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}", flush=True)
+          f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}{kv_line}", flush=True)
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
     served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,

@@ -50,7 +50,9 @@ class ServerMetrics:
 
     def update(self, engine: L9Engine) -> None:
         """Called by the engine thread after each step."""
-        spec = getattr(engine, "spec", None)  # L11's SpecStats; L9's and L10's engines have none
+        # L11's SpecStats, from an engine with a drafter only (L12's int8 engine is L11's, drafting or not);
+        # L9's and L10's engines have none
+        spec = getattr(engine, "spec", None) if getattr(engine, "drafter", None) is not None else None
         if spec is not None:
             if self.spec is None:
                 self.spec = SpecMetrics(self.registry)
