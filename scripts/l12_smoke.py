@@ -45,7 +45,6 @@ from lessons.l12_kv_quant.quality import Quality, compare, holds  # noqa: E402
 from lessons.l12_kv_quant.runner import KV_DTYPES, quantized  # noqa: E402
 from l11_smoke import DEFAULT_PROMPTS, DRAFTERS, arrival_step, speculative_tokens  # noqa: E402  (scripts/ on the path)
 from shared.cli import resolve_model_dir, smoke_parser  # noqa: E402
-from shared.config import Qwen3Config  # noqa: E402
 from shared.errors import CourseError, RunFailure  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
@@ -144,9 +143,10 @@ def run_engine(engine: L12Engine, prompts: list[list[int]], stop: StopRule, args
             engine.close()  # the followers stop now: what runs next gets the CPU to itself
 
 
-def pool_report(engine: L12Engine, cfg: Qwen3Config, model_dtype: torch.dtype, args) -> dict:
-    """The pool's bytes and the blocks they hold in int8, bf16 and fp32 (blocks_in: whole blocks, scales included)."""
-    size = args.block_size
+def pool_report(engine: L12Engine, model_dtype: torch.dtype, args) -> dict:
+    """The pool's bytes and the blocks they hold in int8, bf16 and fp32 (blocks_in: whole blocks, scales included).
+    Over --tp ranks, one rank's: its model's config holds its own KV heads, and so does its pool."""
+    cfg, size = engine.model.config, args.block_size
     stored = storage_dtype(engine.kv_dtype, model_dtype)
     budget = getattr(engine, "kv_bytes", None)  # absent when --num-blocks sized the pool
     if budget is None:
@@ -157,6 +157,8 @@ def pool_report(engine: L12Engine, cfg: Qwen3Config, model_dtype: torch.dtype, a
     sizes = {name: block_bytes(cfg, size, dtype) for name, dtype in kinds}
     how = ("--num-blocks" if args.num_blocks is not None else "--kv-bytes" if args.kv_bytes is not None
            else f"L11's default pool: 4096 tokens in {str(model_dtype).removeprefix('torch.')}")
+    if args.tp > 1:
+        how += f"; one rank's pool of {args.tp}, its own KV heads"
     return {"kv_bytes": budget, "sized_by": how, "block_size": size, "stored": str(stored).removeprefix("torch."),
             "usable_blocks": engine.usable_blocks, "quantized": quant, "blocks": blocks, "block_bytes": sizes,
             "vs_bf16": blocks[quant] / blocks["bf16"], "vs_fp32": blocks[quant] / blocks["fp32"]}
@@ -203,7 +205,7 @@ def parity_report(model, setup: Setup, args) -> tuple[bool, str]:
     ranks = "" if args.tp == 1 else f" on {args.tp} ranks"
     line = (f"L12{ranks}, kv-dtype auto: {type(eng.runner).__name__}"
             f"{' (L11 runs the same class)' if same_class else ' (NOT L11s runner class)'}, {eng.spec.line()}\n"
-            f"  {pool_line(pool_report(eng, model.config, args.model_dtype, args))}\n  {leak}")
+            f"  {pool_line(pool_report(eng, args.model_dtype, args))}\n  {leak}")
     return no_leak and same_class, line
 
 
@@ -285,7 +287,7 @@ def run_quantized(args) -> int:
     outputs = run_engine(engine, setup.prompt_ids, setup.stop, args)
     seconds[f"L12 {kv}"] = time.perf_counter() - t0
     no_leak, leak = leak_line(engine)
-    pool = pool_report(engine, setup.config, setup.dtype, args)
+    pool = pool_report(engine, setup.dtype, args)
     with console.status("the quality contract: teacher-forced, three runners...") if not args.json else nullcontext():
         streams, results, more = quality(model, setup, args)
     seconds |= more
