@@ -25,9 +25,11 @@ def test_without_cuda_it_refuses_in_one_line_with_exit_2():
 
 
 def options():
-    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 on --graphs, L10 --tp."""
+    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 on --graphs, L10 --tp,
+    L12 --kv-dtype."""
     def takes(n: int) -> set[str]:
-        return {opt for opt, first in (("--backend", 3), ("--graphs", 7), ("--tp", 10)) if n >= first}
+        return {opt for opt, first in (("--backend", 3), ("--graphs", 7), ("--tp", 10), ("--kv-dtype", 12))
+                if n >= first}
 
     return {s: takes(int(s.name[1:].split("_")[0])) for s in discover(ROOT / "scripts")}
 
@@ -40,11 +42,13 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert names[:2] == ["L1", "L2"]
     for lesson in ("L3", "L4", "L5", "L6"):
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
-    for lesson in ("L7", "L8", "L9", "L10", "L11"):
+    for lesson in ("L7", "L8", "L9", "L10", "L11", "L12"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 5 * 3 == len(set(names))
+    assert len(smokes) == 2 + 2 * 4 + 6 * 3 == len(set(names))
+    # int8 pages are read by the CPU kernel only: on CUDA, L12's smoke checks HF parity in the model's dtype
+    assert all(c.argv[c.argv.index("--kv-dtype") + 1] == "auto" for c in smokes if c.name.startswith("L12"))
     tp = {c.argv[c.argv.index("--tp") + 1] for c in smokes if "--tp" in c.argv}
-    assert tp == {"1"} and all(("--tp" in c.argv) == c.name.startswith(("L10", "L11")) for c in smokes)
+    assert tp == {"1"} and all(("--tp" in c.argv) == c.name.startswith(("L10", "L11", "L12")) for c in smokes)
     assert {c.argv[c.argv.index("--tp") + 1] for c in plan(None, options(), gpus=4) if "--tp" in c.argv} == {"2"}
     assert [c.command() for c in checks if c.kind != "smoke"] == [
         "python scripts/benchmark/l7_bench.py --device cuda",
