@@ -64,6 +64,8 @@ L11S = "lessons/l11_speculative/scheduler.py"
 L11V = "lessons/l11_speculative/verify.py"
 L11_INVARIANTS = ("tests/test_l11_invariants.py::test_every_step_keeps_the_invariants",)
 L11_MATRIX = ("tests/test_l11_parity.py", "-k", "replay_drafts_keep_parity")
+L12Q = "lessons/l12_kv_quant/quantize.py"
+L12_SCALES = ("tests/test_l12_kernel.py::test_every_rows_own_scale_is_applied_to_keys_and_to_values",)
 L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
 
 MUTATIONS: list[Mutation] = [
@@ -409,4 +411,19 @@ MUTATIONS: list[Mutation] = [
              "    rows = [sample_row(logits[j], params, generator) for j in range(len(drafts) + 1)]\n"
              "    for j in range(len(drafts) + 1):\n        token = rows[j]\n",
              ("tests/test_l11_parity.py", "-k", "seeded_forks")),
+    # --- L12: int8 KV cache ---
+    Mutation("l12-ex-wrong-head-scale", "L12 exercise", "the kernel scales every KV head's scores with KV head 0's key "
+             "scales (the page's first row, not the head's): on real data the heads' scales are close, so the tokens "
+             "barely move (docs/l12_kv_quant.md, exercise)", CPP,
+             "        row_scales(k_cache + head_offset, page_tokens, token_size, d, w.scales.data());",
+             "        row_scales(k_cache + page_offset, page_tokens, token_size, d, w.scales.data());", L12_SCALES),
+    Mutation("l12-values-with-key-scales", "L12 int8 KV", "the kernel weights the value rows with the key rows' scales",
+             CPP, "        row_scales(v_cache + head_offset, page_tokens, token_size, d, w.scales.data());",
+             "        row_scales(k_cache + head_offset, page_tokens, token_size, d, w.scales.data());", L12_SCALES),
+    Mutation("l12-quantize-truncates", "L12 int8 KV", "the quantizer truncates toward zero instead of rounding: errors "
+             "up to a whole step", L12Q, "codes = torch.round(x /", "codes = torch.trunc(x /",
+             ("tests/test_l12_quantize.py::test_random_rows_round_trip_within_half_a_step",)),
+    Mutation("l12-pool-writes-k-as-v", "L12 int8 KV", "the int8 pool writes the keys' packed rows into the value pages",
+             "lessons/l12_kv_quant/kv_pool.py", "[slot_mapping] = pack_rows(v)", "[slot_mapping] = pack_rows(k)",
+             ("tests/test_l12_quality.py::test_the_contract_holds_on_the_embedded_model",)),
 ]
