@@ -106,7 +106,6 @@ def test_a_bad_quantizer_fails_the_contract(embedded):
     bad, bf16 = q["4-bit"], q["bf16"]
     assert not holds(bad, bf16), f"4-bit: {bad.line()}; bf16: {bf16.line()}"
     assert bad.mean_kl > bf16.mean_kl and bad.p999_kl > bf16.p999_kl and bad.top1 < bf16.top1
-    assert bad.worst.ref_top != bad.worst.test_top or bad.worst.kl > bf16.worst.kl
 
 
 @pytest.mark.parametrize("name", ["untied", "gqa4_d128"])
@@ -114,13 +113,14 @@ def test_held_out_shapes(other_checkpoints, prompt_ids, name):
     """Two shapes unlike the embedded model's, built by transformers' own init (conftest). int8's mean KL is no
     larger than bf16's and its top-1 agreement no lower, as on the embedded model.
 
-    The 99.9th percentile is not asserted here: on these checkpoints holds() fails by it alone. HF's init
-    (std 0.02) gives near-uniform next-token distributions (entropy within 0.03 nats of log 151,936), so every
-    KL is about 1e-6, and int8's largest ones come at a stream's first positions, where a query attends over
-    one or two keys and a value row's rounding passes through unaveraged (measured p99.9, int8 against bf16:
-    untied 2.3e-6 / 2.0e-6 at 511 positions, 2.0e-6 / 1.9e-6 at 1,011; gqa4_d128 2.6e-6 / 2.1e-6 and
-    2.3e-6 / 2.0e-6). Over ~1,000 positions the p99.9 is the largest value or two, so it compares two
-    maxima; the tail is asserted within 1.5x of bf16's instead, which every run above met."""
+    The 99.9th percentile is not asserted against bf16's here: on these checkpoints holds() fails by it alone.
+    HF's init (std 0.02) gives near-uniform next-token distributions (entropy within 0.03 nats of log 151,936),
+    so every KL is about 1e-6, rounding-sized, and over a few hundred positions the p99.9 is the largest value
+    or two: it compares two maxima. gqa4_d128's worst int8 position is a one-token stream's first, where the
+    query attends over its own key alone and the value row's rounding passes through unaveraged. Measured
+    p99.9, int8 / bf16 (the file's streams, 251 positions): untied 2.48e-6 / 2.01e-6, gqa4_d128 2.73e-6 /
+    2.07e-6; with longer continuations, untied 2.3e-6 / 2.0e-6 at 511 positions and 2.0e-6 / 1.9e-6 at 1,011,
+    gqa4_d128 2.6e-6 / 2.1e-6 and 2.3e-6 / 2.0e-6. So the tail is asserted within 1.5x of bf16's instead."""
     model_dir = other_checkpoints[name]
     fp32 = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, CPU)
     bf16 = Qwen3ForCausalLM.from_dir(model_dir, torch.bfloat16, CPU)
