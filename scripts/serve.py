@@ -100,9 +100,10 @@ def parser() -> OneLineParser:
     p.add_argument("--draft-model", help="with --speculative draft: a Qwen3 checkpoint directory or hub id with the "
                    "target's tokenizer (default: the target's own checkpoint)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
-                   help="L12: how the KV pool stores K and V: auto (the model's dtype, every earlier lesson's pool) "
-                        "or int8 (one fp32 scale per token and KV head; without --num-blocks the pool gets the bytes "
-                        "of the default pool in the model's dtype, so it holds more blocks) (default: auto)")
+                   help="L12: how the KV pool stores K and V: auto (the model's dtype, every earlier lesson's pool), "
+                        "int8 (one fp32 scale per token and KV head) or fp8 (e4m3 pages); without --num-blocks a "
+                        "quantized pool gets the bytes of the default pool in the model's dtype, so it holds more "
+                        "blocks (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
