@@ -200,11 +200,13 @@ def build_engines(model, args):
 
 def parity_report(model, setup: Setup, args) -> tuple[bool, str]:
     eng = args.l12
-    same_class = type(eng.runner) is type(args.l11.runner) or args.tp > 1
+    same_class = type(eng.runner) is type(args.l11.runner) or args.tp > 1  # over ranks: L11TpEngine's TpRunner
+    whose = (" (L11TpEngine's runner)" if args.tp > 1 else " (L11 runs the same class)" if same_class
+             else " (NOT L11's runner class)")
     no_leak, leak = leak_line(eng)
     ranks = "" if args.tp == 1 else f" on {args.tp} ranks"
     line = (f"L12{ranks}, kv-dtype auto: {type(eng.runner).__name__}"
-            f"{' (L11 runs the same class)' if same_class else ' (NOT L11s runner class)'}, {eng.spec.line()}\n"
+            f"{whose}, {eng.spec.line()}\n"
             f"  {pool_line(pool_report(eng, args.model_dtype, args))}\n  {leak}")
     return no_leak and same_class, line
 
