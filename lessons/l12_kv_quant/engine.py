@@ -1,8 +1,10 @@
-"""L12's engine: L11's (speculation, chunked prefill, abort), over a pool whose pages may be int8.
+"""L12's engine: L11's (speculation, chunked prefill, abort), over a pool whose pages may be quantized.
 
 `kv_dtype="auto"` keeps the model's dtype: every step is L11's, bit for bit. `"int8"` stores K and V as
-int8 rows with a per-row scale, and the pool is sized in bytes: the default budget is what L11's default
-pool takes in the model's dtype, and int8 fits about twice the bf16 blocks (four times the fp32 ones) into it.
+int8 rows with a per-row scale (the C++ kernel reads them on the CPU); `"fp8"` as e4m3 with one scale per
+layer (FlashInfer reads them on CUDA; fp8.py). A quantized pool is sized in bytes: the default budget is what
+L11's default pool takes in the model's dtype, and int8 fits about twice the bf16 blocks (four times the fp32
+ones) into it.
 """
 from __future__ import annotations
 
