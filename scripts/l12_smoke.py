@@ -45,10 +45,10 @@ from lessons.l12_kv_quant.quality import Quality, compare, holds  # noqa: E402
 from lessons.l12_kv_quant.runner import KV_DTYPES, quantized  # noqa: E402
 from l11_smoke import DEFAULT_PROMPTS, DRAFTERS, arrival_step, speculative_tokens  # noqa: E402  (scripts/ on the path)
 from shared.cli import resolve_model_dir, smoke_parser  # noqa: E402
-from shared.errors import CourseError, RunFailure  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
-from shared.smoke import Setup, prepare, run_smoke  # noqa: E402
+from shared.smoke import Setup, exit_with, prepare, run_smoke  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 # Greedy tokens the full-precision engine adds to each prompt for the quality streams: with the default prompts
@@ -350,15 +350,7 @@ def run(args) -> int:
 def main() -> None:
     """shared.smoke.main's contract for both paths: a CourseError is one line and exit 2, a RunFailure exit 1."""
     args = parser().parse_args()
-    try:
-        code = run(args)
-    except CourseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except RunFailure as e:  # the run broke (a tensor-parallel rank died), not its input
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
-    raise SystemExit(code)
+    exit_with(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 from rich.console import Console
@@ -108,8 +108,13 @@ def main(lesson: str, parser: argparse.ArgumentParser, build_engines: BuildEngin
          extra_check: ExtraCheck | None = None) -> None:
     """Parse, run, and turn every CourseError into one line on stderr with exit status 2 (a RunFailure: 1)."""
     args = parser.parse_args()
+    exit_with(lambda: run_smoke(lesson, args, build_engines, extra_check))
+
+
+def exit_with(run: Callable[[], int]) -> NoReturn:
+    """Exit with run()'s status; a CourseError is one line on stderr and exit 2, a RunFailure exit 1."""
     try:
-        code = run_smoke(lesson, args, build_engines, extra_check)
+        code = run()
     except CourseError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
