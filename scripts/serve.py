@@ -6,10 +6,12 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py --tp 2               # L10: the model split across two ranks (gloo on CPU)
     python scripts/serve.py --speculative ngram  # L11: drafts guessed by prompt lookup, checked each step
     python scripts/serve.py --kv-dtype int8      # L12: K and V stored as int8 with a scale per token and head
+    # L13: any request may ask for JSON (response_format) or a regex or choices (structured_outputs)
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
 
+A request with `response_format` {"type": "json_schema", ...} gets output that parses and validates.
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 (Prometheus). Once it answers it prints `serving MODEL at URL`. SIGINT or SIGTERM: new requests are
 refused, open requests get --shutdown-timeout seconds to finish (then a 503), and it exits 0.
@@ -35,7 +37,6 @@ from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS  # n
 from lessons.l9_server.app import MAX_BODY_BYTES, ServedModel, create_app  # noqa: E402
 from lessons.l9_server.chat import ChatTemplate  # noqa: E402
 from lessons.l9_server.detokenizer import TokenBytes  # noqa: E402
-from lessons.l9_server.engine import L9Engine  # noqa: E402
 from lessons.l9_server.engine_loop import EngineLoop  # noqa: E402
 from lessons.l9_server.metrics import ServerMetrics  # noqa: E402
 from lessons.l10_tensor_parallel import L10Engine  # noqa: E402
@@ -43,11 +44,11 @@ from lessons.l10_tensor_parallel.group import DEFAULT_TIMEOUT_S  # noqa: E402
 from lessons.l10_tensor_parallel.launch import follow_if_torchrun, start  # noqa: E402
 from lessons.l10_tensor_parallel.layout import check_tp  # noqa: E402
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM  # noqa: E402
-from lessons.l11_speculative import L11Engine, L11TpEngine  # noqa: E402
 from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
 from lessons.l11_speculative.engine import DEFAULT_NUM_SPECULATIVE_TOKENS  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
-from lessons.l12_kv_quant import L12Engine, L12TpEngine  # noqa: E402
+from lessons.l13_structured import L13Engine, L13TpEngine  # noqa: E402
+from lessons.l13_structured.server import StructuredOutputs  # noqa: E402
 from lessons.l12_kv_quant.backends import int8_backend  # noqa: E402
 from lessons.l12_kv_quant.runner import KV_DTYPES  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
@@ -247,18 +248,19 @@ def build(args) -> tuple[Server, socket.socket]:
     sock = listen(args.host, args.port)  # before loading the model: a busy port is reported in a second
     drafter, spec_line = make_drafter(args, model_dir, dtype, device)  # a bad draft model fails before ranks start
     if args.tp == 1:
-        engine_class, model = L9Engine, Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
+        model = Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
     else:  # L10: rank 0 (this process) serves; the other ranks follow its steps
         check_tp(config, args.tp)
-        engine_class, model = L10Engine, TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
-    speculation = {}  # without --speculative: L9's engine (L10's at --tp > 1), exactly as before
-    if drafter is not None:  # L11: the same engine with drafts in its decode rows
-        engine_class = L11Engine if args.tp == 1 else L11TpEngine
+        model = TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
+    # L13's engine, which is L12's (L11's drafts, a quantized pool) taking grammars. A request without one, on a
+    # server without --speculative or --kv-dtype, runs L9's step exactly (L10's at --tp > 1).
+    engine_class = L13Engine if args.tp == 1 else L13TpEngine
+    speculation = {}
+    if drafter is not None:  # L11: drafts in the decode rows
         speculation = dict(drafter=drafter,
                            num_speculative_tokens=args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS)
-    quantized_kv = {}  # with the default --kv-dtype auto: the engine above, its pool in the model's dtype
-    if args.kv_dtype != "auto":  # L12: L11's engine (drafting or not) over int8 pages, its pool sized in bytes
-        engine_class = L12Engine if args.tp == 1 else L12TpEngine
+    quantized_kv = {}  # with the default --kv-dtype auto: the pool in the model's dtype, as every earlier lesson
+    if args.kv_dtype != "auto":  # L12: int8 pages, the pool sized in bytes
         quantized_kv = dict(kv_dtype=args.kv_dtype)
     engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
                           graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
@@ -277,7 +279,9 @@ def build(args) -> tuple[Server, socket.socket]:
     served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,
                          config.vocab_size)
     loop = EngineLoop(engine, token_bytes, ServerMetrics(), frozenset(config.eos_token_ids), args.max_waiting)
-    app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes)
+    # L13: response_format and structured_outputs, compiled by llguidance (its tokenizer loads at the first grammar)
+    structured = StructuredOutputs(tokenizer, config.vocab_size, frozenset(config.eos_token_ids), loop.metrics.registry)
+    app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes, structured)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     # asyncio and h11, not uvloop and httptools (uvicorn[standard]): measured on the course's 2-core box, the

@@ -39,7 +39,10 @@ class HfReference:
         self._fp32 = None  # the arbiter's fp32 copy, loaded on the first divergence that needs it
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], stop: StopRule) -> HfOutput:
+    def generate(self, prompt_ids: list[int], stop: StopRule, logits_processor: list | None = None) -> HfOutput:
+        """HF's greedy tokens; `logits_processor` (L13: a grammar's mask) runs on every step's scores."""
+        from transformers import LogitsProcessorList
+
         ids = torch.tensor([prompt_ids], device=self.device)
         eos = None if stop.ignore_eos or not stop.eos_token_ids else sorted(stop.eos_token_ids)
         out = self.model.generate(
@@ -53,6 +56,7 @@ class HfReference:
             pad_token_id=eos[0] if eos else 0,
             output_logits=True,
             return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList(logits_processor or []),
         )
         tokens = out.sequences[0, len(prompt_ids):].tolist()
         return _picks(torch.stack([step[0] for step in out.logits[: len(tokens)]]), tokens)

@@ -50,7 +50,9 @@ class ServedModel:
 
 
 def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 256,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, structured=None) -> FastAPI:
+    """`structured` (L13's StructuredOutputs) takes response_format and structured_outputs; without it they are
+    refused by name, as any field this server does not implement."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
@@ -91,17 +93,23 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_json(request, max_body_bytes)
+        body, spec = structured.take(body) if structured else (body, None)
         req = parse_completion(body, default_max_tokens, model.context)
         admissible(body, req)
+        if spec is not None:  # L13: compiled in a worker thread, after the refusals that cost nothing
+            req = await structured.constrain(req, spec)
         return await generate(request, req, req.prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, max_body_bytes)
+        body, spec = structured.take(body) if structured else (body, None)
         messages, kwargs, req = parse_chat(body, default_max_tokens)
         if model.chat is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
         admissible(body, req)
+        if spec is not None:
+            req = await structured.constrain(req, spec)
         prompt = await run_in_threadpool(model.chat.render, messages, kwargs)
         return await generate(request, req, prompt, chat=True)
 

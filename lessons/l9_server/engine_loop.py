@@ -391,7 +391,8 @@ class EngineLoop:
     def _finish_reason(self, seq: SharedSequence, req: GenerationRequest) -> str:
         last = seq.output_ids[-1]
         eos = not req.ignore_eos and last in self.eos_ids
-        return "stop" if eos or last in req.sampling.stop_token_ids else "length"
+        # the sequence's own stop ids: L13's engine adds a grammar's EOS to the request's
+        return "stop" if eos or last in seq.sampling.stop_token_ids else "length"
 
     def _end(self, request_id: int, reason: str | None) -> None:
         """Forget a request; `reason` "abort": its client left, so its sequences stop wherever they are."""
