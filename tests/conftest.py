@@ -78,6 +78,16 @@ def hf(tiny_dir) -> CachedHf:
     return CachedHf(tiny_dir)
 
 
+@pytest.fixture(scope="session")
+def grammar_compiler(tokenizer, tiny_dir):
+    """L13's compiler for the embedded model: llguidance reads the tokenizer once (about 1.4 s) per session."""
+    from lessons.l13_structured.grammar import GrammarCompiler
+    from shared.config import Qwen3Config
+
+    cfg = Qwen3Config.from_dir(tiny_dir)
+    return GrammarCompiler(tokenizer, cfg.vocab_size, frozenset(cfg.eos_token_ids))
+
+
 def build_hf_checkpoint(out: Path, seed: int, **config) -> Path:
     """A small Qwen3 built by transformers itself (its own init), with the embedded model's tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM as HfQwen3
