@@ -190,3 +190,40 @@ def test_skipping_no_arg_runs_needs_the_no_arg_settings(capsys):
         with pytest.raises(SystemExit) as exit_:
             pm.main(["--skip-no-arg-runs", *extra])
         assert exit_.value.code == 2 and "--skip-no-arg-runs" in capsys.readouterr().err
+
+
+def engines_of(lesson: str) -> set[str]:
+    """The engine names a smoke's build_engines returns (its dict keys: "L3": ..., "L2": ...)."""
+    import re
+
+    source = (ROOT / "scripts" / f"l{lesson[1:]}_smoke.py").read_text()
+    return set(re.findall(r'"(L\d+)":', source[source.index("def build_engines"):]))
+
+
+def default_prompts_of(lesson: str) -> list[str]:
+    import ast
+
+    tree = ast.parse((ROOT / "scripts" / f"l{lesson[1:]}_smoke.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "DEFAULT_PROMPTS")
+    return ast.literal_eval(node.value)
+
+
+def test_a_repeated_cell_is_one_whose_engines_another_row_runs_again():
+    """--skip-repeated-runs (.ci/run) leaves out a cell only where the row named in REPEATED_IN runs the lesson's engine
+    in the same dtype, prompts and block size, and the lesson's other engines keep their own rows' cells."""
+    smokes = {ROOT / "scripts" / f"l{n}_smoke.py": n != 1 for n in range(1, 13)}
+    cells = pm.grid(smokes, ["float32", "bfloat16"], list(pm.PROMPT_SETS), [1, 7, 16])
+    repeats = pm.repeated(cells)
+    assert sorted({(c.lesson, c.prompts) for c in repeats}) == [
+        ("L1", "default"), ("L2", "unicode"), ("L4", "unicode"), ("L6", "unicode")]
+    assert len(repeats) == 1 + 3 * 6  # L1's bf16 default; 3 unicode rows of 2 dtypes x 3 block sizes
+    for cell, by in repeats.items():
+        assert (by.dtype, by.prompts) == (cell.dtype, cell.prompts) and by not in repeats
+        assert cell.block_size in (None, by.block_size)
+        assert cell.lesson in engines_of(by.lesson)  # the row after runs this lesson's engine
+        for other in engines_of(cell.lesson) - {cell.lesson}:  # and the engine before keeps its own cell
+            assert any(c.lesson == other and c.dtype == cell.dtype and c.prompts == cell.prompts
+                       and c.block_size in (None, cell.block_size) for c in cells if c not in repeats), (cell, other)
+        if cell.prompts == "default":  # the one default cell: only where the two smokes' default prompts are the same
+            assert default_prompts_of(cell.lesson) == default_prompts_of(by.lesson)
+    assert pm.repeated([c for c in cells if c.lesson != "L3"]).keys() == {c for c in repeats if c.lesson != "L2"}

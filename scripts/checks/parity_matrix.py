@@ -13,6 +13,8 @@ JSON, or a passing verdict that did not judge every token). A lesson whose smoke
 once per dtype and prompt set. The summary counts the positions judged against the tokens generated.
 --skip-no-arg-runs leaves out the one cell per smoke that a run with no arguments computes, for .ci/run, which
 has just made exactly that run of every smoke, as a user does, and stopped on its exit status.
+--skip-repeated-runs leaves out the cells whose every engine another row's cell runs again (REPEATED_IN), for
+.ci/run too: each engine is still judged once per dtype, prompt set and block size.
 Exit 0 when no cell is FAIL or ERROR, 1 otherwise, 2 for bad options.
 """
 from __future__ import annotations
@@ -114,6 +116,22 @@ LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS)
 # its no-argument run drafts once on the random-weight model, which .ci/run has just run).
 # Its cells are then no cell of a no-argument run, so --skip-no-arg-runs leaves none of them out.
 LESSON_OPTIONS = {"L11": ("--drafter", "draft"), "L12": ("--kv-dtype", "auto")}
+# Cells whose every engine run another row's cell makes again, in the same dtype, prompts and block size, so
+# --skip-repeated-runs (.ci/run) leaves them out. A smoke runs its lesson's engine and the one before it
+# (shared/smoke.py: build_engines), so the row after a lesson runs that lesson's engine too: with the unicode
+# set's one prompt (no crowd, nothing to share, no preemption) L3's row runs L2Engine exactly as L2's row does,
+# and L2's other engine, L1, is L1's row; likewise L4 in L5's row (L3 in L3's) and L6 in L7's row (L5 in L5's).
+# Rows left whole (L1, L3, L5, L7) hold the engines before the ones cut, so no engine loses a cell. Of the lesson
+# checks beyond parity, only L6's (no block leaked) runs in a cut cell; its default cells run it at every block
+# size, with a crowd. The default prompts are each smoke's own, so no default cell repeats another, except L1's:
+# L2's default prompt is L1's, and L2's row runs L1Engine on it.
+# lesson -> (prompt set, its dtypes or None for all, the row that runs its engines again).
+REPEATED_IN = {
+    "L1": ("default", ("bfloat16", "float16"), "L2"),  # fp32 default is the no-argument run
+    "L2": ("unicode", None, "L3"),
+    "L4": ("unicode", None, "L5"),
+    "L6": ("unicode", None, "L7"),
+}
 
 
 def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int]) -> list[Cell]:
@@ -127,6 +145,24 @@ def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], bl
                 for size in sizes if blocks else [None]:
                     cells.append(Cell(lesson, script, dtype, prompts, size, LESSON_OPTIONS.get(lesson, ())))
     return cells
+
+
+def repeated(cells: list[Cell]) -> dict[Cell, Cell]:
+    """Each cell of `cells` that REPEATED_IN names -> the cell of the row that runs its engines again (same dtype
+    and prompts; the same block size, or any for a lesson without blocks), where that row is among `cells`."""
+    out = {}
+    for cell in cells:
+        if cell.lesson not in REPEATED_IN:
+            continue
+        prompts, dtypes, by = REPEATED_IN[cell.lesson]
+        if cell.prompts != prompts or (dtypes is not None and cell.dtype not in dtypes):
+            continue
+        for other in cells:
+            if (other.lesson == by and other.dtype == cell.dtype and other.prompts == cell.prompts
+                    and (cell.block_size is None or other.block_size == cell.block_size)):
+                out[cell] = other
+                break
+    return out
 
 
 def classify(returncode: int | None, stdout: str, stderr: str) -> Outcome:
@@ -191,7 +227,8 @@ def column(cell: Cell, block_sizes: list[int]) -> str:
 
 
 def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], args,
-           skipped: frozenset[Cell] = frozenset()) -> None:
+           skipped: frozenset[Cell] = frozenset(), repeats: dict[Cell, Cell] | None = None) -> None:
+    repeats = repeats or {}
     for prompts in args.prompt_sets:
         title = "default prompts" if prompts == "default" else f"{prompts} prompt ({len(UNICODE_PROMPT)} characters)"
         table = Table(title=title, title_justify="left")
@@ -201,7 +238,8 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
             table.add_column(name, justify="center")
         for lesson in dict.fromkeys(c.lesson for c in cells):
             mine = [c for c in cells if c.lesson == lesson and c.prompts == prompts]
-            row = {column(c, args.block_sizes): "no-arg" if c in skipped else outcomes[c].status for c in mine}
+            row = {column(c, args.block_sizes): "no-arg" if c in skipped else f"in {repeats[c].lesson}" if c in repeats
+                   else outcomes[c].status for c in mine}
             table.add_row(lesson, *(f"[{STYLE.get(row[n], 'dim')}]{row[n]}[/]" if n in row else "[dim]—[/]"
                                     for n in columns))
         console.print(table)
@@ -220,10 +258,14 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
     if skipped:
         console.print("[dim]no-arg: the run the smoke makes with no arguments (.ci/run makes it just before, as a user "
                       "does, and stops on a non-zero exit), not run again here.[/]", soft_wrap=True)
+    for lesson in sorted({c.lesson for c in repeats}, key=lambda name: int(name[1:])):
+        by = sorted({r.lesson for c, r in repeats.items() if c.lesson == lesson})
+        console.print(f"[dim]in {', '.join(by)}: {lesson}'s engines ran there again in the same dtype, prompts and block "
+                      f"size (the row after a lesson runs its engine), not run twice here.[/]", soft_wrap=True)
     console.print("[dim]TIE: only half-precision numerical ties, as the parity rule allows, every later position judged "
                   "on our own tokens.[/]", soft_wrap=True)
     for c in cells:
-        if c not in skipped and outcomes[c].status != "PASS":
+        if c not in skipped and c not in repeats and outcomes[c].status != "PASS":
             where = f"{c.lesson} {c.dtype} {c.prompts}" + ("" if c.block_size is None else f" S={c.block_size}")
             console.print(f"[{STYLE[outcomes[c].status]}]{outcomes[c].status}[/] {where}: {outcomes[c].note}",
                           soft_wrap=True, highlight=False)
@@ -265,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out each smoke's no-argument cell (default prompts and block size, float32 on the CPU), "
                         "for a caller that has just run every smoke with no arguments and checked its exit status "
                         "(.ci/run); only with the default --max-new-tokens and --device")
+    p.add_argument("--skip-repeated-runs", action="store_true",
+                   help="leave out the cells whose engines another row's cell runs again in the same dtype, prompts and "
+                        "block size (REPEATED_IN: the row after a lesson runs that lesson's engine), where that row runs")
     args = p.parse_args(argv)
     for name, value in (("--jobs", args.jobs), ("--max-new-tokens", args.max_new_tokens), ("--timeout", args.timeout),
                         *(("--block-sizes", s) for s in args.block_sizes)):
@@ -291,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             skipped = frozenset(no_arg_cell(s, h, torch.cuda.is_available()) for s, h in helps.items()) & set(cells)
-        to_run = [c for c in cells if c not in skipped]
+        repeats = repeated(cells) if args.skip_repeated_runs else {}
+        to_run = [c for c in cells if c not in skipped and c not in repeats]
         outcomes: dict[Cell, Outcome] = {}
 
         def run(cell: Cell) -> None:
@@ -300,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"S={cell.block_size or '-'}: {outcomes[cell].status} ({seconds:.1f} s)", highlight=False)
 
         list(pool.map(run, to_run))
-    render(console, cells, outcomes, args, skipped)
+    render(console, cells, outcomes, args, skipped, repeats)
     bad = sum(o.status in ("FAIL", "ERROR") for o in outcomes.values())
     console.print(summary(list(outcomes.values()), time.perf_counter() - t0), highlight=False, soft_wrap=True)
     return 1 if bad else 0
