@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,9 +42,7 @@ from lessons.l13_structured.server import StructuredOutputs
 from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.server_process import SERVE, ServerProcess
-from test_l9_streams import make_loop, run_with, served
-
-import sys
+from test_l9_streams import make_loop, run_with, served  # L9's fake-runner engine loop and ASGI helpers
 
 sys.path.insert(0, str(SERVE.parent))
 from serve import SERVER_MAX_BATCHED_TOKENS  # noqa: E402
