@@ -153,7 +153,7 @@ def wall(model, tokenizer, grammar, prompt: list[int], n: int) -> tuple[bool, st
         brace = sum(1 for t in texts if t.startswith("{"))
         mean = sum(len(s.output_ids) for s in seqs) / n
         print(f"  {label:18} parse {parsed:>4} of {n}   validate {valid:>4} of {n}   start with '{{' {brace:>4}   "
-              f"end with EOS {ended:>4} (the rest ran to {MAX_NEW} tokens)   mean length {mean:.1f} tokens")
+              f"end with EOS {ended:>4}   cut at {MAX_NEW} tokens {n - ended:>4}   mean length {mean:.1f} tokens")
         print(f"  {'':18} seed 0: {quoted(texts[0])}")
         if seqs is held:
             all_valid = valid == n
