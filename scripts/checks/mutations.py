@@ -68,7 +68,10 @@ L12Q = "lessons/l12_kv_quant/quantize.py"
 L12_SCALES = ("tests/test_l12_kernel.py::test_every_rows_own_scale_is_applied_to_keys_and_to_values",)
 L13E = "lessons/l13_structured/engine.py"
 L13_SERVER = "tests/test_l13_server.py"
-L13_SPEC_SERVER = (f"{L13_SERVER}::test_speculation_with_rejected_drafts_gives_the_same_json",)
+L13_SPEC_SERVER = f"{L13_SERVER}::test_speculation_with_rejected_drafts_gives_the_same_json"
+# the engine's own check first (seconds); the server's ngram drafts second (two servers to start)
+L13_REPLAY = ("tests/test_l13_interactions.py::test_replayed_drafts_with_rejections_give_the_tokens_without_drafts"
+              "[2-greedy]", L13_SPEC_SERVER)
 L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
 
 MUTATIONS: list[Mutation] = [
@@ -434,19 +437,21 @@ MUTATIONS: list[Mutation] = [
              "while masking a verify slice stay in it after the target rejects them, so the next mask is the mask "
              "of text that was never emitted (docs/l13_structured_output.md, exercise)", L13E,
              "    rejected = drafts_taken - (len(tokens) - 1)\n    if rejected:\n        matcher.rollback(rejected)\n",
-             "", L13_SPEC_SERVER),
+             "", L13_REPLAY),
     Mutation("l13-verify-last-row-only", "L13 structured", "a verify slice is masked like a plain row: only its last "
              "row, with the mask of the state before the drafts; the rows that check the drafts go unmasked", L13E,
              "rows = rows if drafts else range(rows.stop - 1, rows.stop)", "rows = range(rows.stop - 1, rows.stop)",
-             L13_SPEC_SERVER),
+             ("tests/test_l13_interactions.py::test_drafts_the_grammar_forbids_are_all_rejected", L13_SPEC_SERVER)),
     Mutation("l13-eos-not-a-stop", "L13 structured", "the grammar's EOS ids are not added to the request's stop ids: "
              "with ignore_eos the output runs on past the grammar's end", L13E,
              "stop_token_ids=sampling.stop_token_ids | grammar.eos_ids", "stop_token_ids=sampling.stop_token_ids",
-             (f"{L13_SERVER}::test_the_grammars_end_stops_a_request_that_ignores_eos",)),
+             ("tests/test_l13_interactions.py::test_ignore_eos_still_ends_at_the_grammars_eos",
+              f"{L13_SERVER}::test_the_grammars_end_stops_a_request_that_ignores_eos")),
     Mutation("l13-sampled-rows-unmasked", "L13 structured", "only greedy rows are constrained: a request sampled at "
              "temperature > 0 gets neither a mask nor a matcher advance", L13E,
              "if grammar_of(seq.sampling) is not None]", "if grammar_of(seq.sampling) is not None and seq.sampling.greedy]",
-             ("tests/test_l13_engine.py::test_200_seeded_sampled_requests_validate_and_leave_their_neighbours_unchanged",)),
+             ("tests/test_l13_engine.py::test_200_seeded_sampled_requests_validate_and_leave_their_neighbours_unchanged",
+              f"{L13_SERVER}::test_two_seeded_samples_both_validate")),
     Mutation("l13-compile-on-the-event-loop", "L13 server", "the server compiles a grammar on the event loop, not in a "
              "worker thread: a slow compile stalls /health and every other request", "lessons/l13_structured/server.py",
              "grammar = await asyncio.wait_for(run_in_threadpool(self.compile, spec), COMPILE_TIMEOUT_S)",
