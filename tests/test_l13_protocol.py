@@ -107,10 +107,8 @@ def test_choice_is_copied():
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": [SCHEMA]}}, "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}},
      "response_format.json_schema.strict"),
-    pytest.param({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": 1}},
-                 "response_format.json_schema.strict", marks=pytest.mark.xfail(
-                     strict=True, reason="protocol.py: `strict not in (None, True, False)` lets 1 and 0 through "
-                                         "(1 == True); a type check is needed")),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": 1}},  # 1 == True, not a bool
+     "response_format.json_schema.strict"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "format": "json"}},
      "response_format.json_schema.format"),
 ])
@@ -141,6 +139,8 @@ def test_both_fields_refused():
     ({"json_object": "yes"}, "structured_outputs.json_object", "must be true"),
     ({"regex": ""}, "structured_outputs.regex", "non-empty string"),
     ({"regex": ["a"]}, "structured_outputs.regex", "non-empty string"),
+    ({"regex": 0}, "structured_outputs.regex", "non-empty string"),  # 0 is given (a bad value), not absent
+    ({"json_object": 0}, "structured_outputs.json_object", "must be true"),
     ({"grammar": {"lark": "start: x"}}, "structured_outputs.grammar", "non-empty string"),
 ])
 def test_bad_structured_outputs(value, param, words):

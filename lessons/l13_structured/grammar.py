@@ -71,12 +71,16 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> Grammar:
         """The compiled grammar for `spec`, from the cache when it was compiled before. Raises CourseError naming
         what llguidance could not compile (a bad regex, an unknown type, an unsupported keyword)."""
+        return self.lookup(spec)[0]
+
+    def lookup(self, spec: GrammarSpec) -> tuple[Grammar, bool]:
+        """(the compiled grammar, whether it came from the cache)."""
         key = spec.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 self.hits += 1
-                return self._cache[key]
+                return self._cache[key], True
         start = time.perf_counter()
         text = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
@@ -91,7 +95,7 @@ class GrammarCompiler:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return grammar
+        return grammar, False
 
 
 def grammar_text(spec: GrammarSpec) -> str:

@@ -66,7 +66,7 @@ def response_format(value: object) -> GrammarSpec | None:
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise ApiError(400, "response_format.json_schema.name is required and must be a string",
                        "response_format.json_schema.name")
-    if spec.get("strict") not in (None, True, False):
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):  # 1 == True: type, not value
         raise ApiError(400, "response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
     return GrammarSpec("json_schema", schema_object(spec.get("schema"), "response_format.json_schema.schema"),
                        "response_format.json_schema.schema")
@@ -84,7 +84,9 @@ def structured_outputs(value: object) -> GrammarSpec | None:
                                 f"writes compact JSON", f"{where}.{name}")
         if name not in STRUCTURED_KINDS:
             raise ApiError(400, f"unknown field {where}.{name}", f"{where}.{name}")
-    given = [name for name in STRUCTURED_KINDS if value.get(name) not in (None, False)]
+    # json_object: false asks for nothing; any other value, 0 included, is given (and checked below)
+    given = [name for name in STRUCTURED_KINDS
+             if value.get(name) is not None and not (name == "json_object" and value[name] is False)]
     if len(given) != 1:
         raise ApiError(400, f"{where} needs exactly one of {', '.join(STRUCTURED_KINDS)}, got "
                             f"{', '.join(given) or 'none'}", where)

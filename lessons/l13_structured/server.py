@@ -64,10 +64,8 @@ class StructuredOutputs:
     def compile(self, spec: GrammarSpec) -> Grammar:
         """In a worker thread: the compiled grammar, timed when it was not cached."""
         start = time.perf_counter()
-        compiler = self.compiler()
-        hits = compiler.hits
-        grammar = compiler.compile(spec)
-        if compiler.hits > hits:
+        grammar, cached = self.compiler().lookup(spec)
+        if cached:
             self.metrics.cache_hits.inc()
         else:
             self.metrics.compile_seconds.observe(time.perf_counter() - start)
