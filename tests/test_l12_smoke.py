@@ -1,7 +1,8 @@
 """scripts/l12_smoke.py end to end: with no arguments (int8 pages) it prints the pool's blocks against bf16's and
 fp32's in the same bytes and the quality contract's two lines, and exits 0; --kv-dtype auto is L11's smoke (HF
 parity); bad values are one line and exit 2; a failing contract names its worst position and both top tokens.
-The two full runs are processes of their own, each made once for the module (each costs seconds)."""
+The two full runs are processes of their own, each made once (each costs seconds; the no-argument one is the doc
+tests' own run of the command, shared)."""
 from __future__ import annotations
 
 import importlib
@@ -37,7 +38,11 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def no_args() -> subprocess.CompletedProcess:
-    return run([])
+    """`python scripts/l12_smoke.py` as docs/l12_kv_quant.md runs it (one thread, CUDA hidden, 200 columns): the doc
+    tests, earlier in the suite, have made this very run, memoised for the session, so it is not made twice."""
+    from test_doc_claims import run_doc_command
+
+    return run_doc_command("python scripts/l12_smoke.py")
 
 
 @pytest.fixture(scope="module")
