@@ -227,3 +227,14 @@ def test_a_repeated_cell_is_one_whose_engines_another_row_runs_again():
         if cell.prompts == "default":  # the one default cell: only where the two smokes' default prompts are the same
             assert default_prompts_of(cell.lesson) == default_prompts_of(by.lesson)
     assert pm.repeated([c for c in cells if c.lesson != "L3"]).keys() == {c for c in repeats if c.lesson != "L2"}
+
+
+def test_l13_runs_at_the_largest_block_size_in_both_prompt_sets():
+    """L13's mask leaves L12's block tables as they are: 4 cells, like L11's and L12's, one of them the no-argument
+    run's (whose 64 tokens hold the cell's 20)."""
+    l13 = ROOT / "scripts" / "l13_smoke.py"
+    cells = pm.grid({l13: True}, ["float32", "bfloat16"], list(pm.PROMPT_SETS), [1, 7, 16])
+    assert sorted((c.dtype, c.prompts, c.block_size) for c in cells) == [
+        ("bfloat16", "default", 16), ("bfloat16", "unicode", 16), ("float32", "default", 16), ("float32", "unicode", 16)]
+    help_text = "--block-size BLOCK_SIZE  tokens per KV block (default: 16)"
+    assert pm.no_arg_cell(l13, help_text, on_cuda=False) in cells

@@ -89,7 +89,8 @@ def has_blocks(help_text: str) -> bool:
 
 def no_arg_cell(script: Path, help_text: str, on_cuda: bool) -> Cell:
     """The cell a smoke run with no arguments computes: its default prompts and block size (read from its --help,
-    "tokens per KV block (default: N)"), float32 on the CPU and bfloat16 on CUDA (shared/cli.py's defaults)."""
+    "tokens per KV block (default: N)"), float32 on the CPU and bfloat16 on CUDA (shared/cli.py's defaults). A
+    smoke whose no-argument run makes more than the matrix's 20 tokens (L13's 64) judges this cell's 20 within it."""
     flat = " ".join(help_text.split())  # argparse wraps help to the terminal's width
     size = re.search(r"tokens per KV block \(default: (\d+)\)", flat) if has_blocks(help_text) else None
     if has_blocks(help_text) and size is None:
@@ -109,7 +110,13 @@ L8_BLOCK_TABLES = {"L9", "L10"}
 # only: L11's 12 runs took 124 s of the CI matrix (a 2-core box at load 1); its 4 keep HF parity with drafts.
 # L12's HF parity is its --kv-dtype auto (LESSON_OPTIONS), L11's engine and runner class exactly, swept there too;
 # its int8 pages have no parity to check (its no-argument run, made by .ci/run, checks the quality contract).
-SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py", "L12": "tests/test_l11_invariants.py"}
+# L13 masks the logits of constrained rows and leaves the block tables, the pool and the runner L12's (kv auto:
+# L11's); its row runs at the largest block size too, 4 cells like L11's and L12's, each judging the engine and
+# the same requests through scripts/serve.py. Its smoke makes 64 new tokens with no arguments (the JSON needs about
+# 45), the matrix 20: the no-argument run judges every one of its positions, so the cell it stands for (fp32,
+# default prompts and block size, 20 tokens) is that run's first 20, with the same batch at every step.
+SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py", "L12": "tests/test_l11_invariants.py",
+                  "L13": "tests/test_l11_invariants.py"}
 LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS)
 # A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
 # verify row of up to K drafts that cross block boundaries and roll back, in each dtype (the n-gram drafter of
