@@ -14,7 +14,9 @@ def walk(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_row_round_trips_lives_in_its_slot_and_the_kernel_agrees():
-    run = walk()
+    from test_doc_claims import run_doc_command
+
+    run = run_doc_command("python scripts/l12_walkthrough.py")  # the doc tests' run (memoised), not a second one
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "within it: yes" in out  # every value off by at most half a step
