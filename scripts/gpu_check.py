@@ -8,7 +8,8 @@ Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch b
 off; L10 and L11 on two GPUs over NCCL when there are two), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
 (the token-budget sweep, where chunking should cost some throughput, unlike on a CPU), L12's fp8 pages read by FlashInfer
 (`--l12-fp8`: an engine run and the teacher-forced quality), and the FlashInfer contract tests, on the embedded
-model and, with --model, on that checkpoint too. L12's smoke runs with --kv-dtype auto (its int8 pages are CPU-only). Each smoke is judged like a cell of the parity matrix
+model and, with --model, on that checkpoint too. L12's smoke runs with --kv-dtype auto (its int8 pages are CPU-only). L13's smoke (grammar masks on CUDA logits,
+HF generate with the same mask as the reference, then the server) runs on one GPU with each backend. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
 Exit 0 when nothing failed, 1 otherwise, 2 without CUDA or for bad options.
 """

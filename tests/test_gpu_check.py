@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.gpu_check import Check, Result, judge, plan, report  # noqa: E402
+from scripts.gpu_check import Check, Result, judge, plan, report, smoke_options  # noqa: E402
 from scripts.checks.parity_matrix import Outcome, discover  # noqa: E402
 
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -25,11 +25,11 @@ def test_without_cuda_it_refuses_in_one_line_with_exit_2():
 
 
 def options():
-    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 on --graphs, L10 --tp,
-    L12 --kv-dtype."""
+    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 on --graphs, L10 to L12
+    --tp, L12 --kv-dtype (L13's smoke has neither: one rank, the model's own KV dtype)."""
     def takes(n: int) -> set[str]:
-        return {opt for opt, first in (("--backend", 3), ("--graphs", 7), ("--tp", 10), ("--kv-dtype", 12))
-                if n >= first}
+        return {opt for opt, first, last in (("--backend", 3, 99), ("--graphs", 7, 99), ("--tp", 10, 12),
+                                             ("--kv-dtype", 12, 12)) if first <= n <= last}
 
     return {s: takes(int(s.name[1:].split("_")[0])) for s in discover(ROOT / "scripts")}
 
@@ -42,9 +42,9 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
     assert names[:2] == ["L1", "L2"]
     for lesson in ("L3", "L4", "L5", "L6"):
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
-    for lesson in ("L7", "L8", "L9", "L10", "L11", "L12"):
+    for lesson in ("L7", "L8", "L9", "L10", "L11", "L12", "L13"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 6 * 3 == len(set(names))
+    assert len(smokes) == 2 + 2 * 4 + 7 * 3 == len(set(names))
     # int8 pages are read by the CPU kernel only: on CUDA, L12's smoke checks HF parity in the model's dtype
     assert all(c.argv[c.argv.index("--kv-dtype") + 1] == "auto" for c in smokes if c.name.startswith("L12"))
     tp = {c.argv[c.argv.index("--tp") + 1] for c in smokes if "--tp" in c.argv}
@@ -56,6 +56,17 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
         "python scripts/gpu_check.py --l12-fp8",
         "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py "
         "tests/test_l8_flashinfer_contract.py tests/test_l12_fp8.py"]
+
+
+def test_l13s_smoke_is_planned_from_its_own_help_on_cuda_with_each_backend():
+    """Read from the script itself: L13's smoke takes --backend and --graphs, and neither --tp nor --kv-dtype."""
+    script = ROOT / "scripts" / "l13_smoke.py"
+    assert smoke_options(script) == {"--backend", "--graphs"}
+    checks = plan(None, {script: smoke_options(script)})
+    assert [c.command() for c in checks if c.kind == "smoke"] == [
+        "python scripts/l13_smoke.py --json --device cuda --dtype bfloat16 --backend flashinfer --graphs on",
+        "python scripts/l13_smoke.py --json --device cuda --dtype bfloat16 --backend flashinfer --graphs off",
+        "python scripts/l13_smoke.py --json --device cuda --dtype bfloat16 --backend torch"]
 
 
 def test_a_model_repeats_every_check_but_the_contract_tests_on_that_checkpoint():
