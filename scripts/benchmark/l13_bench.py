@@ -211,7 +211,8 @@ def decode(model, compiler: GrammarCompiler, tokenizer, args, console: Console) 
             for name, rs in runs.items():
                 used |= {r["backend"] for r in rs}
                 # per round, this system's throughput over the unconstrained one's in the same round
-                ratios = sorted((r["tokens"] / r["decode_s"]) / (p["tokens"] / p["decode_s"]) for r, p in zip(rs, plain))
+                ratios = sorted((r["tokens"] / r["decode_s"]) / (p["tokens"] / p["decode_s"])
+                                for r, p in zip(rs, plain))
                 rs = sorted(rs, key=lambda r: r["tokens"] / r["decode_s"])
                 mid = rs[len(rs) // 2]  # the median round (the upper one of two)
                 rows.append({"batch": batch, "system": name, "tok_s": mid["tokens"] / mid["decode_s"],
@@ -287,7 +288,8 @@ def report(rows: list[dict], compile_rows: list[dict], args, console: Console) -
           f"{(r['mask_s'] + r['advance_s']) / r['steps'] / (r['step_ms'] / 1e3):.0%}"] for r in constrained]))
     console.print(harness.table(
         f"c. compiling (GrammarCompiler.compile), median of {args.compile_rounds} (cache hits and copies: of "
-        f"{10 * args.compile_rounds}); fresh: compile + a matcher; first mask: that matcher's first fill, beside the same fill again",
+        f"{10 * args.compile_rounds}); fresh: compile + a matcher; first mask: that matcher's first fill, beside "
+        "the same fill again",
         ["schema", "JSON bytes", "fresh", "cache hit", "matcher copy", "first mask", "mask again"],
         [[r["schema"], f"{r['schema_bytes']:,}" if "schema_bytes" in r else "", f"{r['fresh_ms']:.2f} ms",
           f"{r['hit_us']:.1f} us" if "hit_us" in r else "", f"{r['matcher_us']:.1f} us" if "hit_us" in r else "",
