@@ -7,8 +7,9 @@
   with unconstrained sampled requests: every constrained output validates, and every unconstrained output is
   the one it gets with no constrained neighbour.
 - Rows without a grammar pay nothing (a step with none never builds a mask); a grammar compiled for another
-  vocabulary is refused at add_request with the engine unchanged; int8 pages (L12) still give valid outputs;
-  two tensor-parallel ranks give one rank's tokens.
+  vocabulary is refused at add_request with the engine unchanged; int8 pages (L12) still give valid outputs.
+  (No two-rank test here: a 2-rank group costs about 7 s to start and stop before any work, and L13TpEngine
+  adds no code of its own to L13Engine and L12TpEngine, whose tests run two ranks.)
 The interactions (chunked prefill, forks, preemption, speculation, stop ids, length) are in
 tests/test_l13_interactions.py.
 """
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from lessons.l12_kv_quant import L12Engine
-from lessons.l13_structured import L13Engine, L13TpEngine
+from lessons.l13_structured import L13Engine
 from lessons.l13_structured.grammar import Grammar, GrammarSpec
 from lessons.l13_structured.hf_processor import GrammarLogitsProcessor
 from lessons.l13_structured.sampling import ConstrainedSampling
@@ -115,7 +116,7 @@ def assert_valid(tokenizer, spec: GrammarSpec, output: list[int], eos: frozenset
     return text
 
 
-# --- parity with HF ---------------------------------------------------------------------------------------------
+# --- parity with HF -----------------------------------------------------------------------------------------------
 
 
 def test_greedy_tokens_equal_hf_with_the_grammar_processor(tiny_model, hf, tokenizer, grammars, prompt_ids):
@@ -142,7 +143,7 @@ def test_greedy_tokens_equal_hf_with_the_grammar_processor(tiny_model, hf, token
     assert engine.masked_rows == sum(len(s.output_ids) for s in seqs)
 
 
-# --- 200 seeded sampled requests, mixed with unconstrained ones -------------------------------------------------
+# --- 200 seeded sampled requests, mixed with unconstrained ones ---------------------------------------------------
 
 MIXED_SCHEMAS = ["person", "flag", "nested", "digits", "code", "choice"]
 CONSTRAINED, UNCONSTRAINED, EVERY = 200, 16, 12  # one unconstrained request after every 12th constrained one
@@ -234,8 +235,9 @@ def test_rows_without_a_grammar_pay_nothing(tiny_model, prompt_ids, grammars):
 
 def test_a_grammar_for_another_vocabulary_is_refused_with_the_engine_unchanged(tiny_model, tokenizer, grammars,
                                                                               prompt_ids):
-    """Compiled for the tokenizer's 151,669 tokens instead of the model's 151,936: refused at add_request
-    (CourseError naming both sizes), nothing queued, no id used; the request beside it gives its tokens."""
+    """A grammar for the tokenizer's 151,669 tokens (what a compiler given tokenizer.get_vocab_size() makes)
+    instead of the model's 151,936: refused at add_request (CourseError naming both sizes), nothing queued, no
+    id used; the request beside it gives the tokens it gives alone."""
     eos = eos_of(tiny_model)
     stop = StopRule(40, eos)
     wrong = copy.copy(grammars["person"])
@@ -255,7 +257,7 @@ def test_a_grammar_for_another_vocabulary_is_refused_with_the_engine_unchanged(t
     assert_valid(tokenizer, SPECS["person"], beside.output_ids, eos)
 
 
-# --- L12's int8 pages; two ranks ----------------------------------------------------------------------------------
+# --- L12's int8 pages ---------------------------------------------------------------------------------------------
 
 
 def test_int8_pages_give_valid_outputs(tiny_model, tokenizer, grammars, prompt_ids):

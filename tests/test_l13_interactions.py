@@ -202,7 +202,7 @@ def test_the_model_drafting_for_itself_gives_the_tokens_without_drafts(tiny_mode
     """The tiny model as its own draft model guesses its unconstrained argmax; where the grammar forbids that,
     the row rejects it. The tokens are the run without drafts."""
     cases = make_cases(grammars, prompt_ids[:3])
-    engine = L13Engine(tiny_model, 16, drafter=DraftModelDrafter(tiny_model), num_speculative_tokens=3)
+    engine = L13Engine(tiny_model, 16, drafter=DraftModelDrafter(tiny_model), num_speculative_tokens=2)
     assert run(engine, cases, stop) == plain.tokens(cases, stop)
     assert engine.spec.drafted > engine.spec.accepted, engine.spec.line()
 
