@@ -255,3 +255,34 @@ def test_max_new_tokens_cuts_the_json_off_and_finishes_by_length(tiny_model, tok
     assert seq.output_ids[-1] not in seq.sampling.stop_token_ids and eos_of(tiny_model) <= seq.sampling.stop_token_ids
     with pytest.raises(json.JSONDecodeError):
         json.loads(tokenizer.decode(seq.output_ids))
+
+
+# --- all at once --------------------------------------------------------------------------------------------------
+
+
+def test_slices_forks_preemption_and_drafts_at_once(tiny_model, tokenizer, grammars, prompt_ids):
+    """Blocks of 4, a pool of 20, a budget of 8, replayed drafts wrong at every 2nd position: a 30-token prompt
+    sliced, a seeded fork (n = 2), a sampled regex, an unconstrained sampled request, decodes preempting each
+    other. Every output is the plain run's."""
+    eos = eos_of(tiny_model)
+    stop = StopRule(44, eos)  # 30 + 44 tokens: 19 blocks, so the pool holds any one request
+    prompts = [prompt_ids[3][:30], prompt_ids[1], prompt_ids[2], prompt_ids[0]]
+
+    def workload(engine) -> list[list[int]]:
+        seqs = [engine.add_request(prompts[0], stop, sampling_for(grammars, "nested", None))]
+        seqs += engine.add_parallel(prompts[1], stop, sampling_for(grammars, "person", 3), n=2)
+        seqs.append(engine.add_request(prompts[2], stop, ConstrainedSampling(temperature=0.8, seed=5,
+                                                                             grammar=grammars["code"])))
+        seqs.append(engine.add_request(prompts[3], StopRule(20, eos), ConstrainedSampling(temperature=1.0, seed=8)))
+        drain(engine)
+        return [s.output_ids for s in seqs]
+
+    want = workload(L13Engine(tiny_model, 16, max_batched_tokens=512))
+    expected = {tuple(p): want[i] for p, i in zip(prompts, (0, 1, 3, 4))}  # the fork's first sibling for its prompt
+    engine = L13Engine(tiny_model, 4, 20, max_batched_tokens=8, num_speculative_tokens=3,
+                       drafter=ReplayDrafter(expected, tiny_model.config.vocab_size, every_nth_wrong(2)))
+    assert workload(engine) == want
+    assert engine.stats.preemptions > 0 and max(engine.prompt_slices.values()) > 1
+    assert 0 < engine.spec.accepted < engine.spec.drafted, engine.spec.line()
+    for name, out in zip(["nested", "person", "person", "code"], want):
+        assert_valid(tokenizer, SPECS[name], out, eos)
