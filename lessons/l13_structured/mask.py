@@ -21,9 +21,10 @@ _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 _BYTE_WORDS = _BYTE_BITS.contiguous().view(torch.int64).view(256)
 # byte value -> 8 additive logit biases (0 allowed, -inf not), per (device, dtype), made on first use
 _BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-# per thread, per (device, dtype): the bias rows' buffer, kept between steps. A fresh [R, V] float tensor each
-# step is a fresh mapping of megabytes whose page faults cost more than filling it (in the engine at 16 rows
-# apply took about half the time with the buffer kept); per thread, as two engines may mask at once.
+# per thread, per (device, dtype), on a CPU: the bias rows' buffer, kept between steps (R x V x 4 bytes: 9.7 MB at
+# 16 rows of fp32). A fresh [R, V] float tensor each step is a fresh mapping of megabytes whose page faults cost
+# more than filling it (in the engine at 16 rows apply took about half the time with the buffer kept); per
+# thread, as two engines may mask at once.
 _SCRATCH = threading.local()
 
 
@@ -65,10 +66,13 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     index = bitmask.to(logits.device).contiguous().view(torch.uint8).reshape(-1).int()
     if bitmask.shape[0] != rows or bitmask.shape[1] * WORD_BITS < vocab:
         raise ValueError(f"a bitmask {list(bitmask.shape)} does not cover logits {list(logits.shape)}")
-    buffers = _SCRATCH.__dict__.setdefault("bias", {})
-    mode = (*key, torch.is_inference_mode_enabled())  # an inference tensor cannot be written outside the mode
-    if mode not in buffers or buffers[mode].shape[0] < index.numel():
-        buffers[mode] = torch.empty(index.numel(), 8, dtype=logits.dtype, device=logits.device)
-    bias = buffers[mode][:index.numel()]
+    if logits.device.type == "cpu":
+        buffers = _SCRATCH.__dict__.setdefault("bias", {})
+        mode = (*key, torch.is_inference_mode_enabled())  # an inference tensor cannot be written outside the mode
+        if mode not in buffers or buffers[mode].shape[0] < index.numel():
+            buffers[mode] = torch.empty(index.numel(), 8, dtype=logits.dtype, device=logits.device)
+        bias = buffers[mode][:index.numel()]
+    else:  # a GPU's caching allocator already reuses the block
+        bias = torch.empty(index.numel(), 8, dtype=logits.dtype, device=logits.device)
     torch.index_select(_BYTE_BIAS[key], 0, index, out=bias)
     logits.add_(bias.view(rows, bitmask.shape[1] * WORD_BITS)[:, :vocab])
