@@ -319,15 +319,15 @@ def serve(background: BackgroundServer, requests: list[Request], args) -> Served
 
 # The run.
 
-def check_engine(args, model: Qwen3ForCausalLM) -> L13Engine:
+def make_engine(args, model: Qwen3ForCausalLM) -> L13Engine:
+    """The engine the server runs too: serve.py builds L13Engine with the same block size, pool and backend."""
     return L13Engine(model, args.block_size, args.num_blocks, backend=args.backend, graphs=args.graphs == "on")
 
 
-def run_engine(args, model, requests: list[Request], grammars: dict[str, Grammar], stop: StopRule,
+def run_engine(engine: L13Engine, args, requests: list[Request], grammars: dict[str, Grammar], stop: StopRule,
                sampled: bool) -> list[list[int]]:
-    """All the requests at once on a fresh engine (a sampled repeat must not find the first run's cached prefixes:
-    in half precision a different computation of the same prompt may move a sample)."""
-    engine = check_engine(args, model)
+    """All the requests at once on `engine`, fresh for each run (a sampled repeat must not find the first run's
+    cached prefixes: in half precision a different computation of the same prompt may move a sample)."""
     arrivals = [Arrival(r.prompt_ids, stop, ConstrainedSampling(
         temperature=TEMPERATURE if sampled else 0.0, seed=r.seed if sampled else None, grammar=grammars[r.spec.key]))
         for r in requests]
@@ -348,19 +348,19 @@ def run(args) -> int:
     with console.status("loading weights...") if not quiet else nullcontext():
         t0 = time.perf_counter()
         model = Qwen3ForCausalLM.from_dir(setup.model_dir, setup.dtype, setup.device)
-        engine = check_engine(args, model)  # bad engine options and requests fail here, before a server starts
+        engine = make_engine(args, model)  # bad engine options and requests fail here, before a server starts
         for r in requests:
             engine.check_request(r.prompt_ids, setup.stop, ConstrainedSampling())
         seconds["load"] = time.perf_counter() - t0
     background = BackgroundServer(args)
     try:
-        return checks(args, console, setup, model, requests, background, seconds)
+        return checks(args, console, setup, model, engine, requests, background, seconds)
     finally:
         background.close()
 
 
-def checks(args, console: Console, setup: Setup, model, requests: list[Request], background: BackgroundServer,
-           seconds: dict[str, float]) -> int:
+def checks(args, console: Console, setup: Setup, model: Qwen3ForCausalLM, engine: L13Engine, requests: list[Request],
+           background: BackgroundServer, seconds: dict[str, float]) -> int:
     quiet = args.json
     stop, eos = setup.stop, frozenset(setup.config.eos_token_ids)
     with console.status("compiling the grammars...") if not quiet else nullcontext():
@@ -369,7 +369,7 @@ def checks(args, console: Console, setup: Setup, model, requests: list[Request],
         seconds["tokenizer for llguidance"] = time.perf_counter() - t0
         grammars = {spec.key: compiler.compile(spec) for spec in GRAMMARS}
     t0 = time.perf_counter()
-    greedy = run_engine(args, model, requests, grammars, stop, sampled=False)
+    greedy = run_engine(engine, args, requests, grammars, stop, sampled=False)
     seconds["L13 greedy"] = time.perf_counter() - t0
 
     # HF with the same grammar: EOS is the grammar's end, and ends HF's output too (even with --ignore-eos)
@@ -385,8 +385,8 @@ def checks(args, console: Console, setup: Setup, model, requests: list[Request],
     greedy_out = [judge_output(t, grammars[r.spec.key], setup) for t, r in zip(greedy, requests)]
 
     t0 = time.perf_counter()
-    sampled = run_engine(args, model, requests, grammars, stop, sampled=True)
-    again = run_engine(args, model, requests, grammars, stop, sampled=True)
+    sampled = run_engine(make_engine(args, model), args, requests, grammars, stop, sampled=True)
+    again = run_engine(make_engine(args, model), args, requests, grammars, stop, sampled=True)
     seconds["L13 sampled, twice"] = time.perf_counter() - t0
     sampled_out = [judge_output(t, grammars[r.spec.key], setup) for t, r in zip(sampled, requests)]
 
