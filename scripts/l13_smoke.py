@@ -120,8 +120,9 @@ def parser():
                                 f"regex, choice), over max(3, prompts) requests: one prompt gets all three "
                                 f"grammars, four prompts give four requests (default: {DEFAULT_PROMPTS!r})")
     options["--max-new-tokens"].default = DEFAULT_MAX_NEW_TOKENS
-    options["--max-new-tokens"].help = (f"(default: {DEFAULT_MAX_NEW_TOKENS}: the default prompts' JSON takes about "
-                                        f"45 tokens; an output cut off first is checked as a valid prefix)")
+    options["--max-new-tokens"].help = (f"most tokens per output (default: {DEFAULT_MAX_NEW_TOKENS}: the default "
+                                        f"prompts' JSON takes about 45; an output cut off before its grammar "
+                                        f"completes is checked as a valid prefix)")
     options["--ignore-eos"].help = ("accepted for the common contract: a grammar's end is EOS, and it ends a "
                                     "constrained output regardless")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention kernels (as in L3)")
