@@ -79,10 +79,13 @@ class L13Engine(L12Engine):
                 matcher.consume_token(drafts[j])
                 count += 1
             taken.append(count)
-        index = torch.tensor(masked, device=logits.device)
-        rows = logits[index]  # a copy: siblings (n > 1) share their parent's row, and mask it alike
-        mask.apply(rows, bitmask[:len(masked)])
-        logits[index] = rows
+        if masked == list(range(len(logits))):  # every row once, in order (all constrained): in place
+            mask.apply(logits, bitmask)
+        else:  # copy the rows out and back (siblings, n > 1, share their parent's row and mask it alike)
+            index = torch.tensor(masked, device=logits.device)
+            rows = logits.index_select(0, index)
+            mask.apply(rows, bitmask[:len(masked)])
+            logits.index_copy_(0, index, rows)
         self.mask_seconds += time.perf_counter() - start
         self.masked_rows += len(masked)
         return taken

@@ -1,9 +1,9 @@
 """The token mask: one bit per vocabulary token, set when appending that token keeps the output a valid prefix.
 
 llguidance writes the mask as 32-bit words (token t is bit t % 32 of word t // 32, lowest bit first), the
-layout vLLM and SGLang pass around too: 151,936 tokens fit in 19 KB. The engine turns a row of it into a
-boolean row and sets every disallowed logit to -inf *before* L4's sampler sees the row, so temperature,
-top-k and top-p act on the allowed tokens only (after them, top-k could keep k tokens that are all banned).
+layout vLLM and SGLang pass around too: 151,936 tokens fit in 19 KB. The engine adds -inf to every
+disallowed logit *before* L4's sampler sees the row, so temperature, top-k and top-p act on the allowed
+tokens only (after them, top-k could keep k tokens that are all banned).
 """
 from __future__ import annotations
 
