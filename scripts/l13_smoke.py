@@ -10,7 +10,6 @@ the same requests through scripts/serve.py with the official openai client: the 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -32,14 +31,13 @@ from rich.markup import escape  # noqa: E402
 
 from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
 from lessons.l4_continuous.engine import Arrival  # noqa: E402
-from lessons.l13_structured import L13Engine, mask  # noqa: E402
+from lessons.l13_structured import L13Engine  # noqa: E402
 from lessons.l13_structured.grammar import Grammar, GrammarCompiler, GrammarSpec  # noqa: E402
 from lessons.l13_structured.sampling import ConstrainedSampling  # noqa: E402
 from shared.cli import smoke_parser  # noqa: E402
 from shared.errors import RunFailure  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
-from shared.hf_reference import HfOutput, HfReference  # noqa: E402
-from shared.hf_reference import _picks as picks  # noqa: E402  (HF's picks, margins and near tokens from logit rows)
+from shared.hf_reference import HfReference  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.parity import Verdict, compare  # noqa: E402
 from shared.server_process import ServerProcess  # noqa: E402
@@ -160,60 +158,6 @@ def judge_output(tokens: list[int], grammar: Grammar, setup: Setup) -> Output:
     valid = grammar.matcher().validate_tokens(tokens)  # how many leading tokens the grammar allows
     return Output(tokens, text, "length",
                   None if valid == len(tokens) else f"token {valid} ({tokens[valid]}) is not allowed by the grammar")
-
-
-# HF's side of the parity rule, with the grammar's mask.
-
-class Recording:
-    """A logits processor that keeps each row of scores another one returns: the masked scores generate picked
-    from. The parity rule's margins and near tokens must come from those: generate's output_logits, which
-    HfReference reads, are the raw logits, where the top token may be one the grammar forbids."""
-
-    def __init__(self, processor):
-        self.processor = processor
-        self.rows: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        masked = self.processor(input_ids, scores)
-        self.rows.append(masked[0].float())
-        return masked
-
-
-def hf_generate(hf: HfReference, request: Request, grammar: Grammar, stop: StopRule) -> HfOutput:
-    """HF generate, greedy, with the grammar's processor (lessons/l13_structured/hf_processor.py)."""
-    from lessons.l13_structured.hf_processor import GrammarLogitsProcessor  # imports transformers: not for --help
-
-    recording = Recording(GrammarLogitsProcessor(grammar, len(request.prompt_ids)))
-    tokens = hf.generate(request.prompt_ids, stop, [recording]).tokens
-    return picks(torch.stack(recording.rows[:len(tokens)]), tokens)
-
-
-class GrammarOracle:
-    """HF scoring our tokens after a half-precision tie (shared/parity.py's Oracle), with the grammar's mask on
-    every position: unmasked, HF's choice there could be a token the grammar forbids, and every later position
-    would be judged against it. fp32 runs never ask it (no ties)."""
-
-    def __init__(self, hf: HfReference, grammar: Grammar, prompt_len: int):
-        self.hf, self.grammar, self.prompt_len = hf, grammar, prompt_len
-
-    @torch.inference_mode()
-    def score(self, ids: list[int], start: int, fp32: bool = False) -> HfOutput:
-        model = self.hf._fp32_model() if fp32 else self.hf.model
-        x = torch.tensor([ids], device=self.hf.device)
-        logits = model(input_ids=x, attention_mask=torch.ones_like(x), logits_to_keep=len(ids) - start + 1).logits[0]
-        logits = logits.float()
-        matcher = self.grammar.matcher()
-        matcher.consume_tokens(ids[self.prompt_len:start])
-        bitmask = mask.allocate(logits.shape[0], self.grammar.vocab_size)
-        for j in range(logits.shape[0]):  # row j: HF's choice after ids[:start + j]
-            mask.fill(matcher, bitmask, j)
-            if start + j < len(ids):
-                matcher.consume_token(ids[start + j])
-        mask.apply(logits, bitmask)
-        return picks(logits, logits.argmax(-1).tolist())
-
-    def fp32_argmax(self, ids: list[int]) -> int:
-        return self.score(ids, len(ids), fp32=True).tokens[0]
 
 
 # The server: scripts/serve.py as a child process, started while the engine and HF run.
@@ -377,10 +321,12 @@ def checks(args, console: Console, setup: Setup, model: Qwen3ForCausalLM, engine
     hf_stop = StopRule(stop.max_new_tokens, eos, ignore_eos=False)
     with console.status("HF generate with the grammar's logits processor...") if not quiet else nullcontext():
         t0 = time.perf_counter()
+        from lessons.l13_structured.hf_processor import GrammarOracle  # imports transformers: not for --help
+
         hf = HfReference(setup.model_dir, setup.dtype, setup.device)
-        hf_out = [hf_generate(hf, r, grammars[r.spec.key], hf_stop) for r in requests]
+        oracles = [GrammarOracle(hf, grammars[r.spec.key], len(r.prompt_ids)) for r in requests]
+        hf_out = [o.generate(r.prompt_ids, hf_stop) for o, r in zip(oracles, requests)]
         seconds["HF"] = time.perf_counter() - t0
-    oracles = [GrammarOracle(hf, grammars[r.spec.key], len(r.prompt_ids)) for r in requests]
     verdicts = [compare(out, h, setup.dtype, hf_stop, r.prompt_ids, o)
                 for out, h, r, o in zip(greedy, hf_out, requests, oracles)]
     greedy_out = [judge_output(t, grammars[r.spec.key], setup) for t, r in zip(greedy, requests)]

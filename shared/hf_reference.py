@@ -40,7 +40,8 @@ class HfReference:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], stop: StopRule, logits_processor: list | None = None) -> HfOutput:
-        """HF's greedy tokens; `logits_processor` (L13: a grammar's mask) runs on every step's scores."""
+        """HF's greedy tokens; `logits_processor` (L13: a grammar's mask) runs on every step's scores, and the
+        picks, margins and near tokens are read from what it returns (the raw logits' top may be forbidden)."""
         from transformers import LogitsProcessorList
 
         ids = torch.tensor([prompt_ids], device=self.device)
@@ -55,24 +56,29 @@ class HfReference:
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else 0,
             output_logits=True,
+            output_scores=bool(logits_processor),
             return_dict_in_generate=True,
             logits_processor=LogitsProcessorList(logits_processor or []),
         )
         tokens = out.sequences[0, len(prompt_ids):].tolist()
-        return _picks(torch.stack([step[0] for step in out.logits[: len(tokens)]]), tokens)
+        rows = out.scores if logits_processor else out.logits
+        return _picks(torch.stack([step[0] for step in rows[: len(tokens)]]), tokens)
 
     @torch.inference_mode()
-    def score(self, ids: list[int], start: int, fp32: bool = False) -> HfOutput:
+    def score(self, ids: list[int], start: int, fp32: bool = False, logits_processor=None) -> HfOutput:
         """HF's choice after ids[:k] for each k from `start` to len(ids), from one teacher-forced forward.
 
         How HF judges tokens it did not generate: after a half-precision tie our continuation is no longer
         HF's, so HF reads ours (prompt + our tokens) and says what it would have picked at each position.
         Entry j is about position start + j; the last one is HF's choice after all of `ids`. `fp32`: the
-        arbiter's model, loaded from the checkpoint, instead of the run's dtype.
+        arbiter's model, loaded from the checkpoint, instead of the run's dtype. `logits_processor` (a fresh one,
+        L13's grammar) sees each row as generate would have shown it: after ids[:start + j].
         """
         model = self._fp32_model() if fp32 else self.model
         x = torch.tensor([ids], device=self.device)
         logits = model(input_ids=x, attention_mask=torch.ones_like(x), logits_to_keep=len(ids) - start + 1).logits[0]
+        if logits_processor is not None:
+            logits = torch.cat([logits_processor(x[:, :start + j], logits[j:j + 1]) for j in range(len(logits))])
         return _picks(logits, logits.argmax(-1).tolist())  # argmax: generate's greedy pick (the first on an exact tie)
 
     def fp32_argmax(self, ids: list[int]) -> int:

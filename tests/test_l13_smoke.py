@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from lessons.l13_structured import mask
-from lessons.l13_structured.hf_processor import GrammarLogitsProcessor
+from lessons.l13_structured.hf_processor import GrammarLogitsProcessor, GrammarOracle
 from shared.generation import StopRule
 from test_bad_input import ROOT, run_script
 
@@ -125,13 +125,12 @@ def test_hf_side_keeps_the_masked_scores_and_the_oracle_masks_too(hf, tokenizer,
     for spec in smoke.GRAMMARS:
         grammar = grammar_compiler.compile(spec)
         ids = tokenizer.encode(PROMPT).ids
-        request = smoke.Request(PROMPT, ids, spec, 0)
-        out = smoke.hf_generate(hf.ref, request, grammar, stop)
+        oracle = GrammarOracle(hf.ref, grammar, len(ids))
+        out = oracle.generate(ids, stop)
         assert out.tokens == hf.ref.generate(ids, stop, [GrammarLogitsProcessor(grammar, len(ids))]).tokens
         allowed = mask.allocate(1, grammar.vocab_size)
         mask.fill(grammar.matcher(), allowed, 0)
         first = [t for t, logit in out.near[0].items() if math.isfinite(logit)]
         assert first and all(mask.is_allowed(allowed[0], t) for t in first), spec.kind
-        oracle = smoke.GrammarOracle(hf.ref, grammar, len(ids))
         assert oracle.score(ids + out.tokens, len(ids)).tokens[:len(out.tokens)] == out.tokens
         assert oracle.fp32_argmax(ids) == out.tokens[0]

@@ -4,6 +4,8 @@ The parity rule's reference for L13: HF `generate`, greedy, with this processor,
 tokens. It runs a fresh matcher of the same compiled grammar through the tokens HF generates, one step at a
 time, and sets every forbidden score to -inf, as the engine does to its logits. (The mask itself is checked
 against a brute-force reference in the tests, so agreeing with this processor is not agreeing with itself.)
+`GrammarOracle` is HF with the grammar for shared/parity.py: generate, and score our tokens after a
+half-precision tie, both under the mask (unmasked, HF's choice could be a token the grammar forbids).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from transformers import LogitsProcessor
 
 from lessons.l13_structured import mask
 from lessons.l13_structured.grammar import Grammar
+from shared.generation import StopRule
+from shared.hf_reference import HfOutput, HfReference
 
 
 class GrammarLogitsProcessor(LogitsProcessor):
@@ -29,3 +33,22 @@ class GrammarLogitsProcessor(LogitsProcessor):
         scores = scores.clone()  # generate may keep the raw scores (output_logits)
         mask.apply(scores, self.bitmask)
         return scores
+
+
+class GrammarOracle:
+    """HfReference with one request's grammar on every step: what shared.parity.compare asks as its oracle."""
+
+    def __init__(self, hf: HfReference, grammar: Grammar, prompt_len: int):
+        self.hf, self.grammar, self.prompt_len = hf, grammar, prompt_len
+
+    def processor(self) -> GrammarLogitsProcessor:
+        return GrammarLogitsProcessor(self.grammar, self.prompt_len)
+
+    def generate(self, prompt_ids: list[int], stop: StopRule) -> HfOutput:
+        return self.hf.generate(prompt_ids, stop, [self.processor()])
+
+    def score(self, ids: list[int], start: int, fp32: bool = False) -> HfOutput:
+        return self.hf.score(ids, start, fp32, self.processor())
+
+    def fp32_argmax(self, ids: list[int]) -> int:
+        return self.score(ids, len(ids), fp32=True).tokens[0]
