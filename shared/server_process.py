@@ -19,7 +19,10 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 SERVE = Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
 BANNER = re.compile(r"^serving (\S+) at (http://\S+/v1)\s*$", re.M)
@@ -116,3 +119,26 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def servers_running(args_by_name: dict[str, list[str]], startup_timeout: float = 240.0) -> Iterator[dict]:
+    """serve.py once per entry, all started at once (each takes seconds); on leaving, all stopped with SIGTERM at
+    once, and each must have exited 0. A server that failed to start raises RuntimeError naming it."""
+    with ThreadPoolExecutor(len(args_by_name)) as pool:
+        futures = {name: pool.submit(ServerProcess(args).start) for name, args in args_by_name.items()}
+        started, errors = {}, []
+        for name, future in futures.items():
+            try:
+                started[name] = future.result(timeout=startup_timeout)
+            except Exception as e:
+                errors.append(f"{name}: {e}")
+    try:
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        yield started
+    finally:
+        with ThreadPoolExecutor(max(len(started), 1)) as pool:
+            statuses = dict(zip(started, pool.map(lambda proc: proc.stop(timeout=30), started.values())))
+    if statuses != {name: 0 for name in started}:
+        raise RuntimeError(f"exit statuses after SIGTERM: {statuses}")

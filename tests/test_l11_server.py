@@ -20,7 +20,6 @@ import random
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,7 +28,7 @@ import pytest
 from lessons.l9_server.detokenizer import IncrementalDetokenizer, TokenBytes
 from lessons.l9_server.engine_loop import Choice, EngineLoop
 from lessons.l9_server.stop_strings import StopStringMatcher
-from shared.server_process import SERVE, ServerProcess
+from shared.server_process import SERVE, ServerProcess, servers_running
 
 sys.path.insert(0, str(SERVE.parent))
 from l11_smoke import REPEAT  # noqa: E402  (the smoke's prompt in which the n-gram drafter finds a match)
@@ -51,23 +50,9 @@ FIRST_ADDED = 151643  # BPE ranks end here; the special tokens follow
 
 @pytest.fixture(scope="module")
 def servers():
-    """All three start in parallel; at the end each is stopped with SIGTERM and must exit 0."""
-    with ThreadPoolExecutor(len(SERVERS)) as pool:
-        futures = {name: pool.submit(ServerProcess(args).start) for name, args in SERVERS.items()}
-        started, errors = {}, []
-        for name, future in futures.items():
-            try:
-                started[name] = future.result(timeout=240)
-            except Exception as e:
-                errors.append(f"{name}: {e}")
-    try:
-        if errors:
-            pytest.fail("; ".join(errors))
+    """All start in parallel; at the end each is stopped with SIGTERM and must exit 0."""
+    with servers_running(SERVERS) as started:
         yield started
-    finally:
-        with ThreadPoolExecutor(len(SERVERS)) as pool:  # each takes seconds to exit: stop them together
-            statuses = dict(zip(started, pool.map(lambda proc: proc.stop(timeout=30), started.values())))
-    assert statuses == {name: 0 for name in started}, f"exit statuses after SIGTERM: {statuses}"
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ import torch
 from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING
 from lessons.l12_kv_quant import L12Engine
 from shared.generation import StopRule
-from shared.server_process import SERVE, ServerProcess
+from shared.server_process import SERVE, ServerProcess, servers_running
 
 sys.path.insert(0, str(SERVE.parent))
 from serve import SERVER_MAX_BATCHED_TOKENS  # noqa: E402
@@ -40,23 +39,9 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def servers():
-    """Both start in parallel; at the end each is stopped with SIGTERM and must exit 0."""
-    with ThreadPoolExecutor(len(SERVERS)) as pool:
-        futures = {name: pool.submit(ServerProcess(args).start) for name, args in SERVERS.items()}
-        started, errors = {}, []
-        for name, future in futures.items():
-            try:
-                started[name] = future.result(timeout=240)
-            except Exception as e:
-                errors.append(f"{name}: {e}")
-    try:
-        if errors:
-            pytest.fail("; ".join(errors))
+    """All start in parallel; at the end each is stopped with SIGTERM and must exit 0."""
+    with servers_running(SERVERS) as started:
         yield started
-    finally:
-        with ThreadPoolExecutor(len(SERVERS)) as pool:
-            statuses = dict(zip(started, pool.map(lambda proc: proc.stop(timeout=30), started.values())))
-    assert statuses == {name: 0 for name in started}, f"exit statuses after SIGTERM: {statuses}"
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from lessons.l13_structured.sampling import ConstrainedSampling
 from lessons.l13_structured.server import StructuredOutputs
 from shared.errors import CourseError
 from shared.generation import StopRule
-from shared.server_process import SERVE, ServerProcess
+from shared.server_process import SERVE, ServerProcess, servers_running
 from test_l9_streams import make_loop, run_with, served  # L9's fake-runner engine loop and ASGI helpers
 
 sys.path.insert(0, str(SERVE.parent))
@@ -80,23 +80,9 @@ LARK_AS_REGEX = r"\([0-9]{1,2}(\+[0-9]{1,2})*\)"
 
 @pytest.fixture(scope="module")
 def servers():
-    """Both start in parallel; at the end each is stopped with SIGTERM and must exit 0."""
-    with ThreadPoolExecutor(len(SERVERS)) as pool:
-        futures = {name: pool.submit(ServerProcess(args).start) for name, args in SERVERS.items()}
-        started, errors = {}, []
-        for name, future in futures.items():
-            try:
-                started[name] = future.result(timeout=240)
-            except Exception as e:
-                errors.append(f"{name}: {e}")
-    try:
-        if errors:
-            pytest.fail("; ".join(errors))
+    """All start in parallel; at the end each is stopped with SIGTERM and must exit 0."""
+    with servers_running(SERVERS) as started:
         yield started
-    finally:
-        with ThreadPoolExecutor(len(SERVERS)) as pool:
-            statuses = dict(zip(started, pool.map(lambda proc: proc.stop(timeout=30), started.values())))
-    assert statuses == {name: 0 for name in started}, f"exit statuses after SIGTERM: {statuses}"
 
 
 @pytest.fixture(scope="module")
