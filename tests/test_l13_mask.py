@@ -385,3 +385,14 @@ def test_hf_processor_masks_like_a_walked_matcher(grammar_compiler):
         assert reference.consume_token(token)
         ids.append(token)
     assert steps > 5 and allowed.sum() == len(EOS_IDS)  # at the end only EOS is left
+
+
+def test_llguidance_refusing_its_arguments_is_a_course_error(compiler, monkeypatch):
+    """grammar_from_* documents ValueError for arguments it cannot take: the request's fault, so a CourseError
+    (the server's 400), never an exception that would reach the client as a 500."""
+    def refuse(*args, **kwargs):
+        raise ValueError("not a valid JSON object\nsecond line")
+
+    monkeypatch.setattr(grammar_module.llguidance.LLMatcher, "grammar_from_json_schema", refuse)
+    with pytest.raises(CourseError, match=r"^json_schema cannot be compiled: not a valid JSON object$"):
+        compiler.compile(GrammarSpec("json_schema", {"type": "object", "title": "refused"}))

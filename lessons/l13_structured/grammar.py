@@ -82,7 +82,10 @@ class GrammarCompiler:
                 self.hits += 1
                 return self._cache[key], True
         start = time.perf_counter()
-        text = grammar_text(spec)
+        try:
+            text = grammar_text(spec)
+        except ValueError as e:  # llguidance refusing its arguments (it documents ValueError): still the request's fault
+            raise CourseError(f"{spec.kind} cannot be compiled: {first_line(str(e))}") from None
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise CourseError(f"{spec.kind} cannot be compiled: {first_line(error)}")
