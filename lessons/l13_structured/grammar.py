@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import llguidance
 from tokenizers import Tokenizer
 
+from lessons.l13_structured.ecma import ecma_regex, ecma_schema
 from shared.errors import CourseError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_OPTIONS = {"whitespace_flexible": False}
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in a schema; llguidance gives up near 100 (a recursion limit)
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,10 @@ class GrammarSpec:
 
     @property
     def key(self) -> str:
-        """Equal for equal specs (a schema's keys in any order): what the compile cache is keyed by."""
-        return self.kind + ":" + json.dumps(self.source, sort_keys=True, ensure_ascii=False)
+        """What the compile cache is keyed by: the spec exactly, its keys in the order given. Never sorted: the
+        output writes an object's properties in the schema's order, so two schemas that differ only in that order
+        are two grammars (one client's schema must not decide another's output)."""
+        return self.kind + ":" + json.dumps(self.source, ensure_ascii=False)
 
 
 class Grammar:
@@ -75,6 +79,9 @@ class GrammarCompiler:
 
     def lookup(self, spec: GrammarSpec) -> tuple[Grammar, bool]:
         """(the compiled grammar, whether it came from the cache)."""
+        if spec.kind == "json_schema" and (depth := nesting_depth(spec.source)) > MAX_SCHEMA_DEPTH:
+            # refused before anything recursive (the key's json.dumps, the ECMA rewrite) walks it
+            raise CourseError(f"json_schema nests {depth} levels deep: at most {MAX_SCHEMA_DEPTH}")
         key = spec.key
         with self._lock:
             if key in self._cache:
@@ -103,12 +110,12 @@ class GrammarCompiler:
 
 def grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar for a spec. Shapes are the caller's to check; what is inside, llguidance's."""
-    if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+    if spec.kind == "json_schema":  # patterns are ECMA-262 regexes (ecma.py)
+        return llguidance.LLMatcher.grammar_from_json_schema(ecma_schema(spec.source), defaults=JSON_OPTIONS)
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        return llguidance.LLMatcher.grammar_from_regex(ecma_regex(spec.source))  # read as a schema's pattern is
     if spec.kind == "choice":  # each choice a Lark string literal (JSON's escapes are Lark's)
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.source))
     if spec.kind == "grammar":  # Lark, or llama.cpp's GBNF (converted to Lark)
@@ -124,3 +131,14 @@ def first_line(message: str) -> str:
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()] or ["no reason given"]
     why = [line for line in lines[1:] if line.startswith("error:")]
     return " ".join(lines[:1] + why[:1])
+
+
+def nesting_depth(value: object) -> int:
+    """How deeply a parsed JSON value nests (a scalar 0, `[]` 1), walked with a stack: no recursion to run out of."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

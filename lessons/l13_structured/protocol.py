@@ -98,6 +98,8 @@ def structured_outputs(value: object) -> GrammarSpec | None:
                 source = json.loads(source)
             except ValueError as e:
                 raise ApiError(400, f"{field} is not valid JSON: {e}", field) from None
+            except RecursionError:  # json.loads recurses once per level: the body's own guard (L9's app.py) again
+                raise ApiError(400, f"{field} is not valid JSON: nested too deeply", field) from None
         return GrammarSpec("json_schema", schema_object(source, field), field)
     if name == "json_object":
         if source is not True:
