@@ -417,6 +417,16 @@ MUTATIONS: list[Mutation] = [
              "    rows = [sample_row(logits[j], params, generator) for j in range(len(drafts) + 1)]\n"
              "    for j in range(len(drafts) + 1):\n        token = rows[j]\n",
              ("tests/test_l11_parity.py", "-k", "seeded_forks")),
+    Mutation("l11-room-evicts-cached", "L11 speculative", "the drafts' room counts cached-but-unheld blocks as free: "
+             "a draft's block evicts a cached prefix", L11S,
+             "        unheld = self.allocator.num_free - self.allocator.num_cached_unheld  # free, and nobody's prefix\n",
+             "        unheld = self.allocator.num_free  # free, and nobody's prefix\n",
+             ("tests/test_l11_pinned.py::test_drafts_never_evict_a_cached_prefix_block",)),
+    Mutation("l11-stats-count-kept", "L11 speculative", "the counters count the tokens a stop kept, not what "
+             "verification accepted", L11E,
+             "self.spec.record(len(getattr(piece, \"drafts\", ())), len(tokens) - 1, len(tokens))",
+             "self.spec.record(len(getattr(piece, \"drafts\", ())), kept[-1] - 1, kept[-1])",
+             ("tests/test_l11_pinned.py", "-k", "counters_count_what_verification_decided")),
     # --- L12: int8 KV cache ---
     Mutation("l12-ex-wrong-head-scale", "L12 exercise", "the kernel scales every KV head's scores with KV head 0's key "
              "scales (the page's first row, not the head's): on real data the heads' scales are close, so the tokens "
