@@ -15,7 +15,10 @@ matcher back inside the server). Covered:
 - Greedy over HTTP equals L13Engine run in process with the same grammar (the server adds nothing).
 - The ngram server's greedy output equals the main server's, with drafts made and rejected.
 - In process (the ASGI app on L9's fake runner): a compile that blocks does not stall /health or an
-  unconstrained request, because it runs in a worker thread.
+  unconstrained request, because it runs in a worker thread. A compile past its (shortened) deadline is a
+  400 naming the field and the deadline, answered at the deadline while the compile still runs: the request
+  never reaches the engine, nothing stays queued, the failure is counted, plain requests beside and after it
+  complete.
 """
 from __future__ import annotations
 
@@ -38,10 +41,12 @@ from lessons.l9_server.app import create_app
 from lessons.l13_structured import L13Engine
 from lessons.l13_structured.grammar import GrammarSpec
 from lessons.l13_structured.sampling import ConstrainedSampling
+from lessons.l13_structured import server as server_module
 from lessons.l13_structured.server import StructuredOutputs
 from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.server_process import SERVE, ServerProcess, servers_running
+from fake_runner import reference
 from test_l9_streams import make_loop, run_with, served  # L9's fake-runner engine loop and ASGI helpers
 
 sys.path.insert(0, str(SERVE.parent))
@@ -365,3 +370,90 @@ def test_a_compile_that_blocks_stalls_neither_health_nor_other_requests(tokenize
     assert blocked.status_code == 400, blocked.text
     assert blocked.json()["error"]["param"] == "response_format.json_schema.schema"
     assert "released by the test" in blocked.json()["error"]["message"]
+
+
+def test_a_compile_past_its_deadline_is_a_400_that_frees_everything(tokenizer, monkeypatch):
+    """The ASGI app in process on L9's fake runner, the deadline cut to 0.5 s and the compile replaced by one
+    that blocks until the test releases it (10 s at most). The json_schema request is answered within the
+    deadline (not when the compile ends) with a 400 naming the field and the deadline, while the compile still
+    blocks; it never reached the engine (no submit, nothing waiting or running), the compile-failure counter
+    is up by one and no structured request is counted. A plain request sent while the compile blocks, and
+    another after the 400, complete with the fake runner's reference tokens."""
+    monkeypatch.setattr(server_module, "COMPILE_TIMEOUT_S", 0.5)
+    loop = make_loop(tokenizer)
+    model = served(tokenizer)
+    structured = StructuredOutputs(tokenizer, model.vocab_size, frozenset(), loop.metrics.registry)
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking_compile(spec: GrammarSpec):
+        entered.set()
+        if not release.wait(10.0):
+            raise CourseError("json_schema cannot be compiled: never released (the deadline did not answer it)")
+        raise CourseError("json_schema cannot be compiled: released by the test (the request waited for it)")
+
+    structured.compile = blocking_compile
+    submitted: list[list[int]] = []
+    submit = loop.submit
+
+    def spied_submit(ids, req, subscriber):
+        submitted.append(list(ids))
+        return submit(ids, req, subscriber)
+
+    loop.submit = spied_submit
+    app = create_app(model, loop, structured=structured)
+    slow_prompt, plain = [9, 8, 7], {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0,
+                                     "return_token_ids": True}
+
+    def value(name: str, labels: dict | None = None) -> float:
+        return loop.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+    failures, kinds = "paged_grammar_compile_failures_total", "paged_structured_requests_total"
+
+    async def main():
+        before = value(failures)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app",
+                                         timeout=TIMEOUT) as http:
+                start = time.monotonic()
+                slow = asyncio.create_task(http.post("/v1/completions", json={
+                    "model": "m", "prompt": slow_prompt, "max_tokens": 4, "response_format": RESPONSE_FORMAT}))
+                while not entered.is_set():
+                    assert time.monotonic() < start + TIMEOUT, "the compile never started"
+                    await asyncio.sleep(0.01)
+                beside = await http.post("/v1/completions", json=plain)
+                refused = await slow
+                waited, still_blocked = time.monotonic() - start, not release.is_set()
+                after = await http.post("/v1/completions", json=plain)
+                def state():
+                    return (loop.num_waiting, len(loop.jobs), value("paged_requests_running"),
+                            value("paged_requests_waiting"))
+
+                settle = time.monotonic() + 5.0  # the engine thread sets the gauges after the step that ended it
+                while state() != (0, 0, 0, 0) and time.monotonic() < settle:
+                    await asyncio.sleep(0.01)
+                return beside, refused, waited, still_blocked, after, state(), value(failures) - before
+        finally:
+            release.set()  # the compile's thread ends either way
+
+    beside, refused, waited, still_blocked, after, state, failed = run_with(loop, main)
+    assert refused.status_code == 400, \
+        f"expected a 400 for the compile past its deadline, got {refused.status_code}: {refused.text}"
+    error = refused.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema", f"expected the schema's field, got {error}"
+    assert error["message"] == "the json_schema took more than 0.5 s to compile", \
+        f"expected the deadline's message, got {error['message']!r}"
+    assert still_blocked and waited < 5.0, \
+        f"expected the 400 within the 0.5 s deadline while the compile still blocked, got it after {waited:.1f} s"
+    assert slow_prompt not in submitted, f"the refused request reached the engine: submitted {submitted}"
+    assert state == (0, 0, 0, 0), f"expected nothing waiting, queued or running after, got (num_waiting, jobs, " \
+                                  f"running, waiting) = {state}"
+    assert failed == 1, f"expected the compile-failure counter up by 1, got {failed}"
+    counted = {k: value(kinds, {"kind": k}) for k in ("json_schema", "json_object", "regex", "choice", "grammar")}
+    assert not any(counted.values()), f"expected no structured request counted, got {counted}"
+    for name, resp in (("beside the compile", beside), ("after the 400", after)):
+        assert resp.status_code == 200, f"the plain request {name}: expected 200, got {resp.status_code}: {resp.text}"
+        choice = resp.json()["choices"][0]
+        assert (choice["token_ids"], choice["finish_reason"]) == (reference([1, 2, 3], 4), "length"), \
+            f"the plain request {name}: expected the reference tokens {reference([1, 2, 3], 4)} and \"length\", " \
+            f"got {choice['token_ids']} and {choice['finish_reason']!r}"
+    assert submitted == [[1, 2, 3], [1, 2, 3]], f"expected the two plain requests submitted, got {submitted}"

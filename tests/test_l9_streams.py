@@ -14,6 +14,9 @@
   (counted in /metrics, one line in the log), its request aborted; /health answers meanwhile. (Over a real
   loopback socket the kernel takes about 3 MB before a send blocks, even with a 4 KiB receive buffer:
   some 17,000 chunks, minutes of the tiny model on a CPU; the harness's send blocks after 3 chunks instead.)
+- stream_options.continuous_usage_stats without return_token_ids, on a runner scripted to emit é and 🙂 one
+  byte-level token at a time: a token that completes no character sends no chunk, and the next chunk's usage
+  counts it (every chunk's completion_tokens is every token generated up to it).
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ import json
 import random
 import time
 
+import torch
 
 from fake_runner import FakeChunkRunner, fake_model, reference
 from lessons.l9_server import app as app_module
 from lessons.l9_server.app import ServedModel, create_app
-from lessons.l9_server.detokenizer import TokenBytes
+from lessons.l9_server.detokenizer import TokenBytes, _unicode_to_byte
 from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, EventBuffer, Failed, Finished, Subscriber
 from lessons.l9_server.metrics import ServerMetrics
@@ -336,3 +340,57 @@ def test_a_stream_sends_what_waits_in_one_write(tokenizer):
     for write in chunks:  # both choices advance in every step (a slow reader's write holds several steps)
         assert {c["choices"][0]["index"] for c in write if c["choices"]} == {0, 1}, write
     assert sum(len(c["choices"][0]["token_ids"]) for w in chunks for c in w if c["choices"]) == 12
+
+
+# --- continuous_usage_stats and tokens that make no text yet ---
+
+
+def byte_token(tokenizer, byte: int) -> int:
+    """The id of the byte-level token that stands for one byte alone."""
+    char = next(c for c, b in _unicode_to_byte().items() if b == byte)
+    return tokenizer.token_to_id(char)
+
+
+def test_continuous_usage_counts_the_tokens_of_a_character_not_yet_shown(tokenizer):
+    """A runner scripted to emit "a", é as two byte tokens, "b", 🙂 as four, "c" (9 tokens, greedy); streamed
+    with include_usage and continuous_usage_stats, without return_token_ids. A token that only starts a character
+    makes no text, so no chunk (the app's rule, as vLLM's); the chunk that shows the character counts it: every
+    chunk's completion_tokens is all the tokens generated up to it (responses.py: "those generated up to that
+    chunk"), never only the tokens that made text, and the last text chunk's usage equals the final one's."""
+    script = [tokenizer.token_to_id("a"), *(byte_token(tokenizer, b) for b in "é".encode()),
+              tokenizer.token_to_id("b"), *(byte_token(tokenizer, b) for b in "🙂".encode()),
+              tokenizer.token_to_id("c")]
+    assert len(script) == 9 and None not in script, script
+    width = max(script) + 1
+
+    class ScriptedRunner(FakeChunkRunner):
+        """The fake runner's KV, and logits that pick the script's next token for each sampled row."""
+
+        def forward(self, slices) -> torch.Tensor:
+            outputs = [len(s.output_ids) for s in slices if s.samples]  # before: forward advances the slices
+            super().forward(slices)
+            logits = torch.zeros(len(outputs), width)
+            for row, done in enumerate(outputs):
+                logits[row, script[done]] = 10.0
+            return logits
+
+    class ScriptedL9(L9Engine):
+        runner_class = ScriptedRunner
+
+    engine = ScriptedL9(fake_model(), 16, 300, graphs=False, max_batched_tokens=64)
+    loop = EngineLoop(engine, TokenBytes(tokenizer), ServerMetrics(), frozenset(), 8)
+    app = create_app(served(tokenizer), loop)
+    client = Client({"model": "m", "prompt": [1, 2, 3], "max_tokens": len(script), "stream": True,
+                     "temperature": 0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    run_with(loop, lambda: client.call(app))
+    events = [e.removeprefix("data: ") for e in client.text().split("\n\n") if e]
+    assert events[-1] == "[DONE]", events[-1]
+    chunks = [json.loads(e) for e in events[:-1]]
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 3, "completion_tokens": 9,
+                                                         "total_tokens": 12}, f"the final usage chunk: {final}"
+    got = [(c["choices"][0]["text"], c["usage"]["completion_tokens"]) for c in chunks[:-1]]
+    want = [("a", 1), ("é", 3), ("b", 4), ("🙂", 8), ("c", 9)]
+    assert got == want, f"expected (text, completion_tokens) per chunk {want}, got {got}"
+    assert all(c["usage"]["prompt_tokens"] == 3 and c["usage"]["total_tokens"] == 3 + n
+               for c, (_, n) in zip(chunks, got)), [c["usage"] for c in chunks]

@@ -81,7 +81,7 @@ class StructuredOutputs:
             raise ApiError(400, str(e), param) from None
         except asyncio.TimeoutError:
             self.metrics.failures.inc()
-            raise ApiError(400, f"the {spec.kind} took more than {COMPILE_TIMEOUT_S:.0f} s to compile", param) from None
+            raise ApiError(400, f"the {spec.kind} took more than {COMPILE_TIMEOUT_S:g} s to compile", param) from None
         self.metrics.requests.labels(spec.kind).inc()
         values = {f.name: getattr(req.sampling, f.name) for f in fields(SamplingParams)}
         return replace(req, sampling=ConstrainedSampling(**values, grammar=grammar))

@@ -360,6 +360,14 @@ MUTATIONS: list[Mutation] = [
              "lessons/l9_server/engine_loop.py",
              "                    self.engine.abort([seq])  # a stop string: the sequence ends here, its blocks go back\n",
              "", ("tests/test_l9_units.py", "-k", "stop_string_ends")),
+    Mutation("l9-usage-counts-text-only", "L9 serving", "continuous_usage_stats counts only the tokens of chunks "
+             "sent: a token that completes no character yet (half of é) is never counted",
+             "lessons/l9_server/app.py",
+             "                    generated += len(event.token_ids)\n                    if event.text or "
+             "event.finish_reason or (req.return_token_ids and event.token_ids):\n",
+             "                    if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):"
+             "\n                        generated += len(event.token_ids)\n",
+             ("tests/test_l9_streams.py::test_continuous_usage_counts_the_tokens_of_a_character_not_yet_shown",)),
     # --- L10: tensor parallelism ---
     Mutation("l10-no-all-reduce", "L10 exercise", "a row-parallel linear returns its partial sum, never all-reduced "
              "(docs/l10_tensor_parallel.md, exercise)", "lessons/l10_tensor_parallel/layers.py",
@@ -467,4 +475,10 @@ MUTATIONS: list[Mutation] = [
              "grammar = await asyncio.wait_for(run_in_threadpool(self.compile, spec), COMPILE_TIMEOUT_S)",
              "grammar = self.compile(spec)",
              (f"{L13_SERVER}::test_a_compile_that_blocks_stalls_neither_health_nor_other_requests",)),
+    Mutation("l13-compile-deadline-ignored", "L13 server", "the compile's deadline is dropped: a request whose "
+             "grammar compiles for ever waits for it instead of a 400 at the deadline",
+             "lessons/l13_structured/server.py",
+             "grammar = await asyncio.wait_for(run_in_threadpool(self.compile, spec), COMPILE_TIMEOUT_S)",
+             "grammar = await run_in_threadpool(self.compile, spec)",
+             (f"{L13_SERVER}::test_a_compile_past_its_deadline_is_a_400_that_frees_everything",)),
 ]
