@@ -127,7 +127,10 @@ def deliver(sender: FakeDist, monkeypatch) -> tuple:
 
 def test_every_kind_of_message_round_trips_as_int64_tensors_without_pickle(monkeypatch, no_pickle):
     slices, copies = a_step()
-    messages = [("load", "/models/tiny qwen3 ✓", "float32"), ("build_runner", 16, 257, "torch", "int8"),
+    messages = [("load", "/models/tiny qwen3 ✓", "float32"),
+                ("build_runner", 16, 257, "torch", "lessons.l10_tensor_parallel.runner:TpRunner"),
+                ("build_runner", 16, 257, "torch", "lessons.l12_kv_quant.runner:requantized", "int8",
+                 "lessons.l10_tensor_parallel.runner:TpRunner"),
                 ("capture", [1, 2, 4], 256), ("run_step", slices, copies)]
     for kind, *args in messages:
         sender = FakeDist().install(monkeypatch)
@@ -179,6 +182,28 @@ def test_a_malformed_message_is_one_runfailure_line(monkeypatch, no_pickle, what
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("tensor-parallel rank 1 of 2: malformed control message from rank 0")
     assert what in msg
+
+
+def test_a_follower_builds_the_runner_class_it_is_sent_and_nothing_else():
+    """build_runner names the class (TpRunner.recipe), or a runner_factory and its strings; the follower imports
+    only a name defined in a module under lessons. and refuses anything else in one RunFailure line."""
+    from lessons.l10_tensor_parallel.follower import runner_class
+
+    assert TpRunner.recipe() == ["lessons.l10_tensor_parallel.runner:TpRunner"]
+    assert runner_class(*TpRunner.recipe()) is TpRunner
+    refused = {
+        "os:system": "under lessons.",  # outside the course
+        "lessons.l10_tensor_parallel.runner:_private": "under lessons.",
+        "lessons.l10_tensor_parallel.runner:TpRunner.recipe": "under lessons.",  # no attribute walks
+        "lessons.no_such_lesson:Runner": "No module named",
+        "lessons.l10_tensor_parallel.follower:importlib": "defines no importlib",  # imported into it, not defined
+        "lessons.l10_tensor_parallel.wire:Malformed": "not a TpRunner class",
+    }
+    for path, says in refused.items():
+        with pytest.raises(RunFailure, match=says):
+            runner_class(path)
+    with pytest.raises(RunFailure, match="not a runner_factory"):  # a function is called only when marked
+        runner_class("lessons.l10_tensor_parallel.wire:pack", "stop")
 
 
 def test_collectives_are_async_and_waited_for_with_the_step_timeout(monkeypatch):

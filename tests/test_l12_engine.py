@@ -327,10 +327,11 @@ def test_tp2_int8_equals_tp1_int8(tp_model, tiny_model, hf, prompt_ids):
     assert tp.kv_bytes == one.kv_bytes // 2 and tp.usable_blocks == one.usable_blocks
     assert_int8_pool(tp, cfg.num_key_value_heads // 2, cfg.head_dim)
     [build] = [m for m in sent if m[0] == "build_runner"]
-    assert build == ("build_runner", block_size, tp.runner.pool.num_blocks, "auto", "int8")
+    assert build == ("build_runner", block_size, tp.runner.pool.num_blocks, "auto",
+                     "lessons.l12_kv_quant.runner:requantized", "int8", "lessons.l10_tensor_parallel.runner:TpRunner")
     # Rank 1 builds its runner from that message with its own part of the model: the same int8 class, over a
     # pool of its one KV head (its process is out of reach here, so its pool is built as it builds it).
-    theirs = follower.runner_class("int8")
+    theirs = follower.runner_class(*build[4:])
     assert theirs is type(tp.runner) and issubclass(theirs, TpRunner)
     rank1 = TpLayout.of(cfg, 1, 2).local_config(cfg)
     assert rank1.num_key_value_heads == cfg.num_key_value_heads // 2

@@ -18,13 +18,24 @@ from lessons.l10_tensor_parallel.tables import KeptTables, SentTables
 from lessons.l10_tensor_parallel.wire import SentSlice
 
 
+def runner_factory(make):
+    """Marks a function that makes a runner class from plain strings (a subclass made at run time names one in
+    its `recipe`): the only kind of function a follower calls to build its runner (follower.py)."""
+    make.makes_tp_runner = True
+    return make
+
+
 class TpRunner(ChunkedRunner):
-    kv_dtype = "auto"  # the pool's dtype: the model's (L12's quantized runners say int8 or fp8)
+    @classmethod
+    def recipe(cls) -> list[str]:
+        """What the followers build (follower.py's runner_class): this class's "module:name", sent as data. A
+        subclass made at run time returns a runner_factory's "module:name" and the strings to call it with."""
+        return [f"{cls.__module__}:{cls.__qualname__}"]
 
     def __init__(self, model: TpQwen3ForCausalLM, block_size: int, num_blocks: int, backend: str = "auto"):
         self.tp = model.tp
         self.sent_tables, self.kept_tables = SentTables(), KeptTables()  # rank 0 uses the first, followers the second
-        with self.tp.lead("build_runner", block_size, num_blocks, backend, self.kv_dtype):
+        with self.tp.lead("build_runner", block_size, num_blocks, backend, *self.recipe()):
             super().__init__(model, block_size, num_blocks, backend)  # a pool of this rank's KV heads only
 
     def capture(self, sizes: list[int], dummy_block: int) -> None:

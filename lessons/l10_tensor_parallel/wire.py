@@ -66,8 +66,8 @@ def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
         fields = []
     elif kind == "load":  # (model_dir, dtype name)
         fields = [_text(args[0]), _text(args[1])]
-    elif kind == "build_runner":  # (block_size, num_blocks, backend, kv_dtype)
-        fields = [[args[0], args[1]], _text(args[2]), _text(args[3])]
+    elif kind == "build_runner":  # (block_size, num_blocks, backend, *recipe): the runner's class, as names
+        fields = [[args[0], args[1]], _text(args[2]), *(_text(name) for name in args[3:])]
     elif kind == "capture":  # (sizes, dummy_block)
         fields = [list(args[0]), [args[1]]]
     elif kind == "run_step":  # (slices, copies[, starts]): per slice, its numbers, its table from starts[i] on,
@@ -113,9 +113,10 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
         _count(kind, fields, 2)
         return kind, _str(fields[0]), _str(fields[1])
     if kind == "build_runner":
-        _count(kind, fields, 3)
+        if len(fields) < 3:
+            raise Malformed(f"{kind}: {len(fields)} fields, not 3 or more")
         block_size, num_blocks = _ints(fields[0], 2, "block_size, num_blocks", least=1)
-        return kind, block_size, num_blocks, _str(fields[1]), _str(fields[2])
+        return kind, block_size, num_blocks, *(_str(f) for f in fields[1:])
     if kind == "capture":
         _count(kind, fields, 2)
         return kind, _ints(fields[0], None, "sizes", least=1), _ints(fields[1], 1, "dummy_block")[0]

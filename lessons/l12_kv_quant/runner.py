@@ -9,6 +9,7 @@ import torch
 
 from lessons.l3_block_tensor.backends import AttentionBackend
 from lessons.l3_block_tensor.kv_pool import BlockKvPool
+from lessons.l10_tensor_parallel.runner import runner_factory
 from lessons.l12_kv_quant.backends import int8_backend
 from lessons.l12_kv_quant.fp8 import Fp8KvPool, fp8_backend
 from lessons.l12_kv_quant.kv_pool import Int8KvPool
@@ -28,6 +29,13 @@ class QuantKvRunner:
     """Mixed in before a runner class (quantized() builds the pair)."""
 
     kv_dtype = "int8"
+    base: type  # the runner class this one quantizes (quantized() sets it)
+
+    @classmethod
+    def recipe(cls) -> list[str]:
+        """Over L10's runner: what its followers build, as names (L10's runner.py): `requantized` with this
+        kv dtype and the base class's own names."""
+        return [f"{__name__}:requantized", cls.kv_dtype, *cls.base.recipe()]
 
     def make_pool(self, cfg: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockKvPool:
         if self.kv_dtype == "fp8":
@@ -46,4 +54,13 @@ def quantized(runner_class: type, kv_dtype: str) -> type:
     (so rank 0 and every follower build the same class from the same two names)."""
     if check_kv_dtype(kv_dtype) == "auto":
         return runner_class
-    return type(f"{kv_dtype.capitalize()}{runner_class.__name__}", (QuantKvRunner, runner_class), {"kv_dtype": kv_dtype})
+    return type(f"{kv_dtype.capitalize()}{runner_class.__name__}", (QuantKvRunner, runner_class),
+                {"kv_dtype": kv_dtype, "base": runner_class})
+
+
+@runner_factory
+def requantized(kv_dtype: str, *base: str) -> type:
+    """An L10 follower's quantized(base, kv_dtype), from rank 0's names: the same class rank 0 built."""
+    from lessons.l10_tensor_parallel.follower import runner_class  # the follower's own loop resolves `base`
+
+    return quantized(runner_class(*base), kv_dtype)
