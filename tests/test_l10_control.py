@@ -169,11 +169,22 @@ def bad_messages() -> dict[str, list[torch.Tensor]]:
         "fields, not 2": message(load, 1, 65),
         "run_step": message(run_step, 0, 1, 5),  # copies, then a third of a slice
         "below 1": message(capture, 1, -2, 1, 0),  # a capture size of -2
+        # A negative kind would index KINDS from the end: -5 would read as "stop", a follower told to quit.
+        "unknown kind -5": [torch.tensor([wire.MAGIC, -len(wire.KINDS), 0])],
+        "unknown kind -9223372036854775808": [torch.tensor([wire.MAGIC, -(1 << 63), 0])],
+        "payload length -1 ": [torch.tensor([wire.MAGIC, load, -1])],  # torch.zeros(-1) would raise
+        "a field of length -3": message(load, -3, 65, 1, 65),
+        "none of float32": message(load, 1, 65, 3, *b"f99"),  # a dtype DTYPES lacks: a KeyError in the follower
+        "no slice": message(run_step, 0),  # copies, then no slice: no step rank 0 would send
     }
 
 
-@pytest.mark.parametrize("what", ["bad magic", "unknown kind", "payload length", "overruns", "not UTF-8",
-                                  "fields, not 2", "run_step", "below 1"])
+MALFORMED = ["bad magic", "unknown kind", "payload length", "overruns", "not UTF-8", "fields, not 2", "run_step",
+             "below 1", "unknown kind -5", "unknown kind -9223372036854775808", "payload length -1 ",
+             "a field of length -3", "none of float32", "no slice"]
+
+
+@pytest.mark.parametrize("what", MALFORMED)
 def test_a_malformed_message_is_one_runfailure_line(monkeypatch, no_pickle, what):
     follower = FakeDist().install(monkeypatch)
     follower.follower, follower.incoming = True, bad_messages()[what]
@@ -182,6 +193,33 @@ def test_a_malformed_message_is_one_runfailure_line(monkeypatch, no_pickle, what
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("tensor-parallel rank 1 of 2: malformed control message from rank 0")
     assert what in msg
+
+
+def test_a_header_or_payload_pack_did_not_write_is_malformed_before_any_allocation():
+    """wire.py alone: a header of the wrong shape or dtype, a kind or length out of range, a payload that is not
+    what its header says (shorter, longer, not int64). Each is Malformed naming it; nothing is sized from it."""
+    from lessons.l10_tensor_parallel import wire
+
+    load = wire.KINDS.index("load")
+    headers = {
+        "a header must be 3 int64s": [torch.tensor([wire.MAGIC, load]), torch.tensor([wire.MAGIC, load, 0, 0]),
+                                      torch.tensor([float(wire.MAGIC), load, 0]),
+                                      torch.tensor([wire.MAGIC, load, 0], dtype=torch.int32),
+                                      torch.tensor([[wire.MAGIC, load, 0]])],
+        "unknown kind": [torch.tensor([wire.MAGIC, k, 0]) for k in (-1, -len(wire.KINDS), len(wire.KINDS))],
+        "payload length": [torch.tensor([wire.MAGIC, load, n]) for n in (-1, -(1 << 63), wire.MAX_PAYLOAD + 1)],
+    }
+    for says, bad in headers.items():
+        for header in bad:
+            with pytest.raises(wire.Malformed, match=says):
+                wire.payload_len(header)
+            with pytest.raises(wire.Malformed, match=says):
+                wire.unpack(header, torch.zeros(0, dtype=torch.int64))
+    header, payload = wire.pack("load", "/m", "float32")
+    assert wire.unpack(header, payload) == ("load", "/m", "float32")
+    for wrong in (payload[:-1], torch.cat([payload, payload[:1]]), payload.to(torch.int32), payload[None]):
+        with pytest.raises(wire.Malformed, match="the header says"):  # a length past (or short of) what follows
+            wire.unpack(header, wrong)
 
 
 def test_a_follower_builds_the_runner_class_it_is_sent_and_nothing_else():

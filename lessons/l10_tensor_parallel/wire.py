@@ -17,6 +17,7 @@ import torch
 from lessons.l2_token_flat.request import Request
 from lessons.l4_continuous.table_tensor import TableTensor
 from lessons.l8_chunked_prefill.slice import Slice
+from shared.cli import DTYPES
 
 KINDS = ("stop", "load", "build_runner", "capture", "run_step")
 MAGIC = 0x4C3130  # "L10": a header that does not start with it was not written by pack
@@ -111,7 +112,10 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
         return (kind,)
     if kind == "load":
         _count(kind, fields, 2)
-        return kind, _str(fields[0]), _str(fields[1])
+        model_dir, dtype = _str(fields[0]), _str(fields[1])
+        if dtype not in DTYPES:
+            raise Malformed(f"load: dtype {dtype[:32]!r} is none of {', '.join(DTYPES)}")
+        return kind, model_dir, dtype
     if kind == "build_runner":
         if len(fields) < 3:
             raise Malformed(f"{kind}: {len(fields)} fields, not 3 or more")
@@ -120,8 +124,8 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
     if kind == "capture":
         _count(kind, fields, 2)
         return kind, _ints(fields[0], None, "sizes", least=1), _ints(fields[1], 1, "dummy_block")[0]
-    if (len(fields) - 1) % 3:
-        raise Malformed(f"run_step: {len(fields)} fields, not 1 + 3 per slice")
+    if len(fields) < 4 or (len(fields) - 1) % 3:
+        raise Malformed(f"run_step: {len(fields)} fields, not 1 + 3 per slice (no slice: no step to run)")
     flat = _ints(fields[0], None, "copies")
     if len(flat) % 2:
         raise Malformed(f"run_step: {len(flat)} copy ids, not (src, dst) pairs")
