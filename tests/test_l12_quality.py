@@ -2,16 +2,19 @@
 
 quality.compare runs three runners teacher-forced over the same token streams (each prompt, then the fp32
 engine's greedy continuation of it): the fp32 model over fp32 pages (the reference), the fp32 model over int8
-pages (the test), the model loaded in bf16 (the yardstick). holds() asks all three measures at once: mean KL,
-its 99.9th percentile, top-1 agreement.
+pages (the test), the model loaded in bf16 (the yardstick). judge() compares test and yardstick position by
+position with a paired block bootstrap, a non-inferiority test with stated margins on every measure the sample
+resolves: mean KL, the tail (p99 from 1,000 positions, p99.9 from 10,000), top-1 agreement; holds() is its verdict.
 
 - The embedded model, 1,011 positions (the shared prompts + 225 greedy tokens each): the contract holds.
 - The contract can fail: a pool that rounds to 4 bits (codes -7 .. 7, the same rows and kernel) is measured on
   the same streams and does not hold. Without this, a holds() that always said yes would pass every test.
 - The held-out shapes (conftest's other_checkpoints: untied embeddings; GQA 4:1 with head_dim 128), 251
   positions each (the prompts + 35 tokens each; fewer because compare's KL arithmetic over a 151,936-token
-  vocabulary costs about 9 ms per position for each runner compared, beside 2 ms for its logits). What holds
-  there is the mean and the top-1 half of the contract; see test_held_out_shapes for why not the tail's.
+  vocabulary costs about 9 ms per position for each runner compared, beside 2 ms for its logits): too few for
+  a tail, so mean KL and top-1 are judged there (test_held_out_shapes).
+- What is measured is what the doc says: KL(P_ref || P_test), not the reverse, averaged over every position of
+  every stream (prompts included); judge()'s verdicts on made-up runs whose answer is known.
 
 Every fixture is module-scoped: the file's cost is the teacher-forced forwards and the KL arithmetic, once.
 """
@@ -25,7 +28,8 @@ from lessons.l3_block_tensor.runner import PagedRunner
 from lessons.l4_continuous.engine import Arrival
 from lessons.l12_kv_quant import L12Engine
 from lessons.l12_kv_quant.kv_pool import Int8KvPool
-from lessons.l12_kv_quant.quality import Quality, compare, holds
+from lessons.l12_kv_quant.quality import (KL_MARGIN, Quality, Worst, compare, holds, judge, kl_rows,
+                                          tail_quantile)
 from lessons.l12_kv_quant.quantize import SCALE_BYTES
 from lessons.l12_kv_quant.runner import quantized
 from shared.generation import StopRule
@@ -110,25 +114,80 @@ def test_a_bad_quantizer_fails_the_contract(embedded):
 
 @pytest.mark.parametrize("name", ["untied", "gqa4_d128"])
 def test_held_out_shapes(other_checkpoints, prompt_ids, name):
-    """Two shapes unlike the embedded model's, built by transformers' own init (conftest). int8's mean KL is no
-    larger than bf16's and its top-1 agreement no lower, as on the embedded model.
-
-    The 99.9th percentile is not asserted against bf16's here: on these checkpoints holds() fails by it alone.
-    HF's init (std 0.02) gives near-uniform next-token distributions (entropy within 0.03 nats of log 151,936),
-    so every KL is about 1e-6, rounding-sized, and over a few hundred positions the p99.9 is the largest value
-    or two: it compares two maxima. gqa4_d128's worst int8 position is a one-token stream's first, where the
-    query attends over its own key alone and the value row's rounding passes through unaveraged. Measured
-    p99.9, int8 / bf16 (the file's streams, 251 positions): untied 2.48e-6 / 2.01e-6, gqa4_d128 2.73e-6 /
-    2.07e-6; with longer continuations, untied 2.3e-6 / 2.0e-6 at 511 positions and 2.0e-6 / 1.9e-6 at 1,011,
-    gqa4_d128 2.6e-6 / 2.1e-6 and 2.3e-6 / 2.0e-6. So the tail is asserted within 1.5x of bf16's instead."""
+    """Two shapes unlike the embedded model's, built by transformers' own init (conftest), 251 positions each: no
+    tail is judged (251 positions leave 2.5 beyond p99), the mean KL holds, and top-1 never fails (at 251
+    positions one disagreement is 0.4 points, so a 1-point margin can be left unresolved: gqa4_d128 has one
+    disagreement on each side, interval [-1.29, +1.12]). HF's init gives near-uniform distributions (every KL about 1e-6, rounding-sized); their p99.9,
+    compared as two numbers, used to flip either way here (it is the largest value or two). At 1,021 positions
+    `l12_smoke.py --model` judges the p99 too; gqa4_d128's is unresolved there ([0.81, 1.32] against the 1.25x
+    margin) and holds at 3,661 (--quality-new-tokens 400: [0.83, 1.06]), as docs/l12_kv_quant.md records."""
     model_dir = other_checkpoints[name]
     fp32 = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, CPU)
     bf16 = Qwen3ForCausalLM.from_dir(model_dir, torch.bfloat16, CPU)
     streams = streams_of(fp32, prompt_ids, HELD_OUT_NEW)
     q = measure(fp32, bf16, streams)
     int8, yard = q["int8"], q["bf16"]
-    lines = f"int8: {int8.line()}; bf16: {yard.line()}"
+    verdict = judge(int8, yard)
+    lines = f"int8: {int8.line()}; bf16: {yard.line()}; {verdict.line()}"
     assert int8.positions == sum(map(len, streams)) > 250
+    assert [m.name for m in verdict.measures] == ["mean KL", "top-1 agreement"], lines
+    assert verdict.measures[0].verdict == "holds" and verdict.measures[1].verdict != "fails", lines
     assert 0 < int8.mean_kl <= yard.mean_kl, lines
-    assert int8.top1 >= yard.top1, lines
-    assert int8.p999_kl <= 1.5 * yard.p999_kl, lines
+
+
+# --- what is measured, and how it is judged ----------------------------------------------------------------------
+
+
+def test_kl_is_reference_to_test_per_row():
+    """kl_rows (what compare sums) is KL(P_ref || P_test) = sum p_ref log(p_ref / p_test), the direction llama.cpp's
+    tool and the doc use. Rows chosen so that the two directions differ by 2x."""
+    ref = torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, -2.0]])
+    test = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    p, q = ref.double().softmax(-1), test.double().softmax(-1)
+    forward, backward = (p * (p / q).log()).sum(-1), (q * (q / p).log()).sum(-1)
+    assert not torch.allclose(forward, backward, rtol=0.1), "the premise: the directions differ"
+    assert torch.allclose(kl_rows(ref, test), forward, rtol=1e-9, atol=1e-12), (kl_rows(ref, test), forward)
+
+
+def test_the_mean_is_over_every_position_of_every_stream(embedded):
+    """The Quality's KL has one value per position of every stream, prompts included, in stream order, and its
+    mean_kl is their plain mean (not a mean of per-stream means, not the continuations only)."""
+    streams, q = embedded
+    int8 = q["int8"]
+    assert int8.kl.shape == (sum(map(len, streams)),) and int8.stream_lengths == tuple(map(len, streams))
+    assert int8.mean_kl == pytest.approx(float(int8.kl.mean()), rel=1e-12)
+    per_stream = torch.stack([part.mean() for part in int8.kl.split(list(map(len, streams)))]).mean()
+    assert abs(float(per_stream) - int8.mean_kl) > 1e-6 * int8.mean_kl, "the premise: the two means differ here"
+    assert int8.top1 == pytest.approx(float(int8.agree.double().mean()))
+
+
+def runs(kl_test: torch.Tensor, kl_yard: torch.Tensor, agree_test, agree_yard, lengths) -> tuple[Quality, Quality]:
+    def quality(kl, agree):
+        return Quality(kl.numel(), float(kl.mean()), float(torch.quantile(kl, 0.999)), float(agree.double().mean()),
+                       Worst(0, 0, 0.0, 0, 0), kl, agree, tuple(lengths))
+    return quality(kl_test, agree_test), quality(kl_yard, agree_yard)
+
+
+def test_judge_verdicts_on_runs_with_a_known_answer():
+    """Made-up runs, 2,000 positions (p99 judged): equal runs hold (margin), 2x the KL fails, 1.2x with noise at 200
+    positions is unresolved on the mean; the same seed gives the same intervals."""
+    g = torch.Generator().manual_seed(3)
+    yard = torch.rand(2000, generator=g, dtype=torch.float64) * 0.1
+    agree = torch.rand(2000, generator=g) < 0.9
+    same = judge(*runs(yard.clone(), yard, agree, agree, [500] * 4))
+    assert same.holds and [m.name for m in same.measures] == ["mean KL", "p99 KL", "top-1 agreement"], same.line()
+    # paired: every resample draws the same positions for both runs, so equal runs give exactly 1x (0 points)
+    assert [(m.low, m.high) for m in same.measures] == [(1.0, 1.0), (1.0, 1.0), (0.0, 0.0)], same.line()
+    worse = judge(*runs(2 * yard, yard, agree, agree, [500] * 4))
+    assert [m.verdict for m in worse.measures] == ["fails", "fails", "holds"], worse.line()
+    noisy = yard[:200] * (1.2 + 0.8 * torch.randn(200, generator=g, dtype=torch.float64)).abs()
+    small = judge(*runs(noisy, yard[:200], agree[:200], agree[:200], [200]))
+    assert small.measures[0].verdict == "unresolved" and small.measures[0].low < KL_MARGIN < small.measures[0].high
+    assert [m.name for m in small.measures] == ["mean KL", "top-1 agreement"] and "no tail judged" in small.tail_note
+    assert judge(*runs(2 * yard, yard, agree, agree, [500] * 4)) == worse, "not deterministic"
+    fewer = agree & (torch.rand(2000, generator=g) < 0.9)  # about 9 points fewer agreements
+    assert judge(*runs(yard, yard, fewer, agree, [500] * 4)).measures[-1].verdict == "fails"
+
+
+def test_the_judged_tail_is_the_one_the_sample_resolves():
+    assert [tail_quantile(n) for n in (999, 1000, 9999, 10_000, 50_000)] == [None, 0.99, 0.99, 0.999, 0.999]

@@ -14,8 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from lessons.l12_kv_quant.quality import Quality, Worst
+from lessons.l12_kv_quant.quality import Quality, Worst, judge
 from test_bad_input import ROOT, run_script
 
 sys.path.insert(0, str(ROOT / "scripts" / "checks"))
@@ -55,11 +56,15 @@ def test_no_arguments_is_int8_and_the_contract_holds(no_args):
     out = no_args.stdout
     assert "kv-dtype int8" in out and "vs HF" not in out  # no HF reference: exact tokens are not int8's test
     # Both quality lines, over the 1,000+ positions the contract is stated over, and both verdicts.
-    quality = re.findall(r"^(int8 KV|bf16 model) +: KL mean [\d.e-]+, p99\.9 [\d.e-]+, top-1 agreement [\d.]+% "
-                         r"over ([\d,]+) positions", out, re.M)
+    quality = re.findall(r"^(int8 KV|bf16 model) +: KL mean [\d.e-]+, p99 [\d.e-]+, p99\.9 [\d.e-]+, top-1 agreement "
+                         r"[\d.]+% over ([\d,]+) positions", out, re.M)
     assert [name for name, _ in quality] == ["int8 KV", "bf16 model"], out
     assert all(int(n.replace(",", "")) >= 1000 for _, n in quality)
     assert re.search(r"^PASS: int8 KV moves the next-token distributions no more than bf16 compute does", out, re.M)
+    # the judgement: each judged measure with its paired interval and verdict; p99.9 not judged at this size
+    judged = re.findall(r"(mean KL|p99 KL|top-1 agreement) [^;]*\[[-+\d., ]+\] (holds|fails|unresolved)", out)
+    assert judged == [("mean KL", "holds"), ("p99 KL", "holds"), ("top-1 agreement", "holds")], out
+    assert "p99.9 not judged: 1,021 positions leave 1.0 beyond it (needs 10)" in out, out
     free, usable = map(int, re.search(r"^PASS: ([\d,]+) of ([\d,]+) usable blocks free", out, re.M).groups())
     assert free == usable
     assert re.search(r"^worst int8 position: prompt \d+ position \d+ .*fp32 KV's top token \d+ .*int8's \d+", out, re.M)
@@ -102,19 +107,28 @@ def test_bad_values_are_one_line_exit_2(argv, message, capsys):
     assert lines[0].startswith(message), lines
 
 
+def made_up(kl: float, top1: float, worst: Worst, n: int = 1000) -> Quality:
+    """A Quality from made-up figures: every position's KL the same, top-1 agreement in the first top1 * n."""
+    kls = torch.full((n,), kl, dtype=torch.float64)
+    agree = torch.arange(n) < round(top1 * n)
+    return Quality(positions=n, mean_kl=kl, p999_kl=kl, top1=top1, worst=worst, kl=kls, agree=agree,
+                   stream_lengths=(n // 2, n - n // 2))
+
+
 def test_a_failing_contract_names_the_worst_position_and_both_top_tokens(tokenizer):
-    """The FAIL line, from made-up figures: which measures broke, where, and both sides' top tokens as text."""
+    """The FAIL line, from made-up figures: which measures broke and how, where, and both sides' top tokens."""
     smoke = importlib.import_module("l12_smoke")
     setup = SimpleNamespace(tokenizer=tokenizer, prompt_ids=[[1, 2, 3], [4, 5]])
     worst = Worst(stream=1, position=3, kl=2.5, ref_top=tokenizer.encode(" cat").ids[0],
                   test_top=tokenizer.encode(" dog").ids[0])
-    test = Quality(positions=1000, mean_kl=0.05, p999_kl=0.9, top1=0.95, worst=worst)
-    yardstick = Quality(positions=1000, mean_kl=0.04, p999_kl=1.2, top1=0.90, worst=Worst(0, 0, 1.0, 0, 0))
-    line = smoke.contract_line("int8", test, yardstick, setup)
-    assert line.startswith("int8 KV is worse than the bf16 yardstick on mean KL;"), line
+    test, yardstick = made_up(0.06, 0.95, worst), made_up(0.04, 0.90, Worst(0, 0, 1.0, 0, 0))
+    line = smoke.contract_line("int8", judge(test, yardstick), test, setup)
+    assert line.startswith("int8 KV is not shown within the bf16 yardstick's margins on mean KL (fails), "
+                           "p99 KL (fails);"), line
     assert "prompt 1 position 3 (in its continuation), KL 2.5" in line
     assert "fp32 KV's top token" in line and "' cat'" in line and "int8's" in line and "' dog'" in line
-    assert smoke.contract_line("int8", yardstick, yardstick, setup).startswith("int8 KV moves")  # ties hold
+    tied = smoke.contract_line("int8", judge(yardstick, yardstick), yardstick, setup)
+    assert tied.startswith("int8 KV moves"), tied  # equal runs are within every margin
 
 
 def test_the_parity_matrix_checks_l12_with_kv_dtype_auto():

@@ -459,6 +459,16 @@ MUTATIONS: list[Mutation] = [
              "lessons/l12_kv_quant/kv_pool.py", "[slot_mapping] = pack_rows(v)", "[slot_mapping] = pack_rows(k)",
              ("tests/test_l12_quality.py::test_the_contract_holds_on_the_embedded_model",)),
     # --- L13: structured output ---
+    Mutation("l12-kl-reversed", "L12 quality", "the quality measure computes KL(P_test || P_ref), the reverse of what "
+             "the doc and llama.cpp's tool state", "lessons/l12_kv_quant/quality.py",
+             "return torch.log_softmax(test_logits.double(), -1).neg_().add_(log_p).mul_(log_p.exp()).sum(-1)",
+             "log_q = torch.log_softmax(test_logits.double(), -1)\n    return log_p.neg().add_(log_q).mul_(log_q.exp()).sum(-1)",
+             ("tests/test_l12_quality.py::test_kl_is_reference_to_test_per_row",)),
+    Mutation("l12-contract-unpaired", "L12 quality", "the judge draws the yardstick's bootstrap resamples apart from the "
+             "test's: the comparison is no longer paired by position", "lessons/l12_kv_quant/quality.py",
+             "measures = [ratio(\"mean KL\", test.mean_kl, yardstick.mean_kl, means(test.kl), means(yardstick.kl))]",
+             "measures = [ratio(\"mean KL\", test.mean_kl, yardstick.mean_kl, means(test.kl), means(yardstick.kl)[torch.randperm(RESAMPLES)])]",
+             ("tests/test_l12_quality.py::test_judge_verdicts_on_runs_with_a_known_answer",)),
     Mutation("l13-ex-no-rollback", "L13 exercise", "advance() never rolls the matcher back: the drafts it took in "
              "while masking a verify slice stay in it after the target rejects them, so the next mask is the mask "
              "of text that was never emitted (docs/l13_structured_output.md, exercise)", L13E,
