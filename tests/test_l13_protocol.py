@@ -7,6 +7,7 @@ tokenizer only at the first grammar."""
 from __future__ import annotations
 
 import asyncio
+import json
 import copy
 import threading
 from collections import OrderedDict
@@ -211,13 +212,18 @@ def test_constrain_copies_sampling_and_counts(structured):
     assert sample(registry, "grammar_compile_seconds_count") == 1
     assert sample(registry, "grammar_cache_hits_total") == 0
 
-    # the same schema, keys in another order, from the other field: a cache hit, not a second compile
-    reordered = GrammarSpec("json_schema", dict(reversed(list(SCHEMA.items()))), "structured_outputs.json")
-    again = asyncio.run(outputs.constrain(REQUEST, reordered))
+    # the same schema from the other field: a cache hit, not a second compile
+    same = GrammarSpec("json_schema", json.loads(json.dumps(SCHEMA)), "structured_outputs.json")
+    again = asyncio.run(outputs.constrain(REQUEST, same))
     assert again.sampling.grammar is req.sampling.grammar and len(built) == 1
     assert sample(registry, "grammar_cache_hits_total") == 1
     assert sample(registry, "grammar_compile_seconds_count") == 1
     assert sample(registry, "structured_requests_total", kind="json_schema") == 2
+    # its keys in another order: another grammar (the output follows a schema's own order), compiled anew
+    reordered = GrammarSpec("json_schema", dict(reversed(list(SCHEMA.items()))), "structured_outputs.json")
+    other = asyncio.run(outputs.constrain(REQUEST, reordered))
+    assert other.sampling.grammar is not req.sampling.grammar
+    assert sample(registry, "grammar_compile_seconds_count") == 2
     assert sample(registry, "grammar_compile_failures_total") == 0
 
 
