@@ -28,7 +28,8 @@ def smoke_parser(lesson: str, description: str, *, blocks: bool, default_prompts
                  pool_default: str = "4096 tokens' worth") -> OneLineParser:
     """The common options. A lesson whose smoke sizes its pool differently says how in `pool_default`."""
     p = OneLineParser(prog=f"{lesson.lower()}_smoke.py", description=description)
-    p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", help="HF-format Qwen3 or Llama checkpoint directory, or a named model: smollm2 "
+                                   "(default: the embedded tiny model)")
     p.add_argument("--prompt", action="append", help=f"repeatable (default: {default_prompts!r})")
     p.add_argument("--max-new-tokens", type=int, default=20)
     if blocks:
@@ -61,7 +62,11 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_dir(arg: str | None, build_default: Callable[[], Path]) -> Path:
-    """A local directory; a hub id ("Qwen/Qwen3-0.6B") only when named and not a local path."""
+    """A local directory; a named model ("smollm2", converted once into the cache); a hub id ("Qwen/Qwen3-0.6B")
+    only when named and not a local path."""
+    from shared.named_models import NAMED, named_model_dir
+    from shared.tiny_qwen3 import cache_root
+
     if arg is None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return build_default()
@@ -71,6 +76,9 @@ def resolve_model_dir(arg: str | None, build_default: Callable[[], Path]) -> Pat
             raise CourseError(f"--model {arg}: not a directory")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return path
+    if arg in NAMED:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return named_model_dir(arg, cache_root())
     if HUB_ID.match(arg):
         return _download(arg)
     raise CourseError(f"model directory {arg} does not exist")

@@ -1,4 +1,8 @@
-"""Qwen3 hyper-parameters, read from a HuggingFace config.json (and generation_config.json for EOS)."""
+"""Model hyper-parameters, read from a HuggingFace config.json (and generation_config.json for EOS).
+
+Two architectures, told apart by the config's model_type: Qwen3, and Llama (SmolLM2 is one), which is Qwen3
+without the per-head q/k RMSNorms. Everything else the course reads is the same in both.
+"""
 from __future__ import annotations
 
 import json
@@ -22,6 +26,7 @@ class Qwen3Config:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = True  # Qwen3's per-head RMSNorm on q and k; Llama has none
 
     @property
     def gqa_ratio(self) -> int:
@@ -37,8 +42,13 @@ class Qwen3Config:
         if not path.is_file():
             raise CourseError(f"no config.json in model directory {model_dir}")
         raw = read_json_object(path)
-        if raw.get("model_type") != "qwen3":
-            raise CourseError(f"{model_dir} holds model_type {raw.get('model_type')!r}, not a qwen3 checkpoint")
+        kind = raw.get("model_type")
+        if kind not in ARCHITECTURES:
+            raise CourseError(f"{model_dir} holds model_type {kind!r}: the course runs {' and '.join(ARCHITECTURES)} "
+                              f"checkpoints")
+        for flag in ("attention_bias", "mlp_bias"):  # Llama's options the course's layers do not have
+            if raw.get(flag):
+                raise CourseError(f"{path}: {flag} true is not supported (the course's projections have no bias)")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
             kind = rope.get("rope_type") if isinstance(rope, dict) else rope
@@ -63,8 +73,11 @@ class Qwen3Config:
                                               int),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_ids(Path(model_dir), raw),
+            qk_norm=ARCHITECTURES[kind],
         )
 
+
+ARCHITECTURES = {"qwen3": True, "llama": False}  # model_type -> whether attention has per-head q/k norms
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 

@@ -1,4 +1,5 @@
 """Qwen3 over a flat token stream. The attention layer hands q, k, v to a lesson-supplied KV object.
+A Llama checkpoint (config model_type "llama") runs through the same classes: it is Qwen3 without q_norm/k_norm.
 
 Shapes (no batch dimension; several requests are simply concatenated):
   T tokens in the step, Hq query heads, Hkv key/value heads, D head_dim, E hidden size.
@@ -38,8 +39,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)  # per-head norms: Qwen3's addition over Qwen2
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per-head norms: Qwen3's addition over Qwen2 and Llama
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x: torch.Tensor, rope_tables: RopeTables, rope: RotaryEmbedding, kv: KvAttention,
                 meta: Any) -> torch.Tensor:

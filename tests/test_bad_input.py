@@ -36,9 +36,9 @@ def broken_dirs(tmp_path_factory, tiny_dir):
     (root / "empty").mkdir()
     (root / "no_weights").mkdir()
     (root / "no_weights" / "config.json").write_text((tiny_dir / "config.json").read_text())
-    (root / "llama").mkdir()
-    cfg = json.loads((tiny_dir / "config.json").read_text()) | {"model_type": "llama"}
-    (root / "llama" / "config.json").write_text(json.dumps(cfg))
+    (root / "mistral").mkdir()
+    cfg = json.loads((tiny_dir / "config.json").read_text()) | {"model_type": "mistral"}
+    (root / "mistral" / "config.json").write_text(json.dumps(cfg))
     (root / "a_file").write_text("not a directory")
     return root
 
@@ -47,7 +47,7 @@ CASES = {
     "missing dir": (["--model", "/no/such/model/dir"], "/no/such/model/dir"),
     "empty dir": (["--model", "{broken}/empty"], "no config.json"),
     "no weights": (["--model", "{broken}/no_weights"], "no *.safetensors"),
-    "not qwen3": (["--model", "{broken}/llama"], "'llama', not a qwen3"),
+    "not qwen3 or llama": (["--model", "{broken}/mistral"], "'mistral': the course runs qwen3 and llama"),
     "model is a file": (["--model", "{broken}/a_file"], "not a directory"),
     "empty prompt": (["--prompt", ""], "empty prompt"),
     "over model context": (["--max-new-tokens", "5000"], "exceeds the model's context of 4096"),
@@ -88,7 +88,7 @@ def test_l1_smoke_rejects(argv, capsys):
 @pytest.mark.parametrize("script", ["l1_smoke.py", "l2_smoke.py"])
 def test_end_to_end_exit_status_and_no_traceback(script, broken_dirs):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / script), "--model", str(broken_dirs / "llama")],
+        [sys.executable, str(ROOT / "scripts" / script), "--model", str(broken_dirs / "mistral")],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
