@@ -179,7 +179,7 @@ def test_the_no_arg_cell_is_what_a_smoke_with_no_arguments_runs():
         assert (cell.lesson, cell.dtype, cell.prompts, cell.block_size) == ("L2", "float32", "default", size)
         assert defaults.dtype is None and defaults.prompt is None and defaults.max_new_tokens == 20  # float32 on cpu
         assert getattr(defaults, "block_size", None) == size
-    grid = pm.grid({Path("scripts/l2_smoke.py"): True}, ["float32", "bfloat16"], list(pm.PROMPT_SETS), [1, 7, 16])
+    grid = pm.grid({Path("scripts/l2_smoke.py"): True}, ["float32", "bfloat16"], pm.DEFAULT_PROMPT_SETS, [1, 7, 16])
     assert sum(c == pm.no_arg_cell(Path("scripts/l2_smoke.py"), "--block-size tokens per KV block (default: 16)",
                                    on_cuda=False) for c in grid) == 1
     assert pm.no_arg_cell(Path("scripts/l2_smoke.py"), "", on_cuda=True).dtype == "bfloat16"
@@ -212,7 +212,7 @@ def test_a_repeated_cell_is_one_whose_engines_another_row_runs_again():
     """--skip-repeated-runs (.ci/run) leaves out a cell only where the row named in REPEATED_IN runs the lesson's engine
     in the same dtype, prompts and block size, and the lesson's other engines keep their own rows' cells."""
     smokes = {ROOT / "scripts" / f"l{n}_smoke.py": n != 1 for n in range(1, 13)}
-    cells = pm.grid(smokes, ["float32", "bfloat16"], list(pm.PROMPT_SETS), [1, 7, 16])
+    cells = pm.grid(smokes, ["float32", "bfloat16"], pm.DEFAULT_PROMPT_SETS, [1, 7, 16])
     repeats = pm.repeated(cells)
     assert sorted({(c.lesson, c.prompts) for c in repeats}) == [
         ("L1", "default"), ("L2", "unicode"), ("L4", "unicode"), ("L6", "unicode")]
@@ -233,8 +233,28 @@ def test_l13_runs_at_the_largest_block_size_in_both_prompt_sets():
     """L13's mask leaves L12's block tables as they are: 4 cells, like L11's and L12's, one of them the no-argument
     run's (whose 64 tokens hold the cell's 20)."""
     l13 = ROOT / "scripts" / "l13_smoke.py"
-    cells = pm.grid({l13: True}, ["float32", "bfloat16"], list(pm.PROMPT_SETS), [1, 7, 16])
+    cells = pm.grid({l13: True}, ["float32", "bfloat16"], pm.DEFAULT_PROMPT_SETS, [1, 7, 16])
     assert sorted((c.dtype, c.prompts, c.block_size) for c in cells) == [
         ("bfloat16", "default", 16), ("bfloat16", "unicode", 16), ("float32", "default", 16), ("float32", "unicode", 16)]
     help_text = "--block-size BLOCK_SIZE  tokens per KV block (default: 16)"
     assert pm.no_arg_cell(l13, help_text, on_cuda=False) in cells
+
+
+def test_a_model_row_passes_the_model_to_every_cell_and_l10_its_ranks():
+    """--model smollm2 --tp 3 (.ci/run's real-model row): every cell's command names the model, L10's also --tp 3,
+    and no other lesson gets --tp."""
+    smokes = {ROOT / "scripts" / f"l{n}_smoke.py": n > 1 for n in (1, 4, 10)}
+    cells = pm.grid(smokes, ["float32"], ["chat"], [16], model="smollm2", tp=3)
+    for cell in cells:
+        argv = cell.argv(20, None)
+        assert argv[argv.index("--model") + 1] == "smollm2", argv
+        assert (argv[argv.index("--tp") + 1] == "3") if cell.lesson == "L10" else "--tp" not in argv, argv
+
+
+def test_the_chat_set_is_rendered_by_the_checkpoints_own_template():
+    """The embedded checkpoint's template (ChatML, as Qwen3's): each question a user turn, then the assistant's
+    turn opened for the answer."""
+    prompts = pm.chat_prompts(None)
+    assert len(prompts) == len(pm.CHAT_QUESTIONS)
+    for question, prompt in zip(pm.CHAT_QUESTIONS, prompts):
+        assert f"<|im_start|>user\n{question}<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n"), prompt

@@ -15,6 +15,9 @@ once per dtype and prompt set. The summary counts the positions judged against t
 has just made exactly that run of every smoke, as a user does, and stopped on its exit status.
 --skip-repeated-runs leaves out the cells whose every engine another row's cell runs again (REPEATED_IN), for
 .ci/run too: each engine is still judged once per dtype, prompt set and block size.
+--model runs every smoke on another checkpoint (a directory, or smollm2: the real model's row in .ci/run), --tp
+gives L10 its ranks (smollm2's 9 heads need 3), and the chat prompt set renders two questions with the
+checkpoint's own chat template.
 Exit 0 when no cell is FAIL or ERROR, 1 otherwise, 2 for bad options.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from shared.cli import DTYPES, OneLineParser  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
 
 SMOKE = re.compile(r"^l(\d+)_smoke\.py$")
 # Over 200 characters: CJK, emoji (one a ZWJ sequence), Latin accents, Greek, Cyrillic, Arabic and math,
@@ -45,7 +49,11 @@ UNICODE_PROMPT = (
     "accents: café, naïve, façade, jalapeño, Øresund, Łódź, crème brûlée. Ελληνικά και русский текст, "
     "العربية أيضاً — «quotes», ∑∞≈π, ½ ¾, and then the story goes on:"
 )
-PROMPT_SETS = {"default": None, "unicode": [UNICODE_PROMPT]}  # None: the smoke's own default prompts
+# chat: questions rendered by the checkpoint's own chat template (chat_prompts), filled in when the grid is made
+CHAT_QUESTIONS = ["What is the capital of France? Answer in one sentence.",
+                  "Give me a JSON object with fields name and age for Ana, 31."]
+PROMPT_SETS = {"default": None, "unicode": [UNICODE_PROMPT], "chat": []}  # None: the smoke's own default prompts
+DEFAULT_PROMPT_SETS = ["default", "unicode"]  # chat when asked for (.ci/run's real-model row)
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 STYLE = {"PASS": "green", "TIE": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
 
@@ -58,9 +66,11 @@ class Cell:
     prompts: str  # a PROMPT_SETS key
     block_size: int | None  # None: the smoke has no blocks
     options: tuple[str, ...] = ()  # the lesson's own options (LESSON_OPTIONS), the same in every cell of its row
+    model: str | None = None  # --model for every cell (a directory or a named model); None: the embedded model
 
     def argv(self, max_new_tokens: int, device: str | None) -> list[str]:
         args = [sys.executable, str(self.script), "--json", "--dtype", self.dtype, *self.options]
+        args += [] if self.model is None else ["--model", self.model]
         args += ["--max-new-tokens", str(max_new_tokens)]
         args += [] if self.block_size is None else ["--block-size", str(self.block_size)]
         args += [] if device is None else ["--device", device]
@@ -141,17 +151,31 @@ REPEATED_IN = {
 }
 
 
-def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int]) -> list[Cell]:
-    """smokes: script -> whether it takes --block-size."""
+def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], block_sizes: list[int],
+         model: str | None = None, tp: int | None = None) -> list[Cell]:
+    """smokes: script -> whether it takes --block-size. `tp`: L10's ranks (a model whose heads 2 do not divide)."""
     cells = []
     for script, blocks in smokes.items():
         lesson = "L" + SMOKE.match(script.name).group(1)
         sizes = [max(block_sizes)] if lesson in LARGEST_BLOCK_ONLY else block_sizes
+        options = LESSON_OPTIONS.get(lesson, ()) + (("--tp", str(tp)) if tp and lesson == "L10" else ())
         for prompts in prompt_sets:
             for dtype in dtypes:
                 for size in sizes if blocks else [None]:
-                    cells.append(Cell(lesson, script, dtype, prompts, size, LESSON_OPTIONS.get(lesson, ())))
+                    cells.append(Cell(lesson, script, dtype, prompts, size, options, model))
     return cells
+
+
+def chat_prompts(model: str | None) -> list[str]:
+    """CHAT_QUESTIONS, each as a one-message conversation in the checkpoint's own chat template, ready to answer."""
+    from transformers import AutoTokenizer
+
+    from shared.cli import resolve_model_dir
+    from shared.tiny_qwen3 import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(model, default_model_dir)))
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in CHAT_QUESTIONS]
 
 
 def repeated(cells: list[Cell]) -> dict[Cell, Cell]:
@@ -237,7 +261,9 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
            skipped: frozenset[Cell] = frozenset(), repeats: dict[Cell, Cell] | None = None) -> None:
     repeats = repeats or {}
     for prompts in args.prompt_sets:
-        title = "default prompts" if prompts == "default" else f"{prompts} prompt ({len(UNICODE_PROMPT)} characters)"
+        title = {"default": "default prompts", "unicode": f"unicode prompt ({len(UNICODE_PROMPT)} characters)",
+                 "chat": f"chat prompts ({len(CHAT_QUESTIONS)} questions in the checkpoint's chat template)"}[prompts]
+        title += "" if args.model is None else f" · --model {args.model}"
         table = Table(title=title, title_justify="left")
         columns = [f"{SHORT.get(d, d)} S={s}" for d in args.dtypes for s in args.block_sizes]
         table.add_column("lesson")
@@ -257,8 +283,8 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
         if len(args.block_sizes) > 1:
             console.print(f"[dim]{lesson} ran at the largest block size only: {SWEPT_BY_TESTS[lesson]} sweeps its "
                           f"block sizes.[/]", soft_wrap=True)
-    for lesson in sorted({c.lesson for c in cells if c.options}, key=lambda name: int(name[1:])):
-        console.print(f"[dim]{lesson} ran with {' '.join(LESSON_OPTIONS[lesson])} in every cell.[/]", soft_wrap=True)
+    for lesson, options in sorted({(c.lesson, c.options) for c in cells if c.options}, key=lambda x: int(x[0][1:])):
+        console.print(f"[dim]{lesson} ran with {' '.join(options)} in every cell.[/]", soft_wrap=True)
     if any(c.block_size is None for c in cells):
         console.print("[dim]—: the lesson has no blocks; it ran once per dtype and prompt set, shown under the first "
                       "block size.[/]", soft_wrap=True)
@@ -304,9 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-sizes", type=_list(int), default=[1, 7, 16], help="default 1,7,16")
     p.add_argument("--dtypes", type=_list(str, set(DTYPES)), default=["float32", "bfloat16"],
                    help="default float32,bfloat16")
-    p.add_argument("--prompt-sets", type=_list(str, set(PROMPT_SETS)), default=list(PROMPT_SETS),
-                   help=f"default {','.join(PROMPT_SETS)}")
+    p.add_argument("--prompt-sets", type=_list(str, set(PROMPT_SETS)), default=DEFAULT_PROMPT_SETS,
+                   help=f"of {','.join(PROMPT_SETS)} (default {','.join(DEFAULT_PROMPT_SETS)})")
     p.add_argument("--max-new-tokens", type=int, default=20, help="per smoke run (default 20, the smokes' own)")
+    p.add_argument("--model", help="passed to every smoke: a checkpoint directory or a named model, e.g. smollm2 "
+                                   "(default: the smokes' own, the embedded model)")
+    p.add_argument("--tp", type=int, help="L10's ranks (default: its smoke's own, 2); smollm2's 9 heads need 3")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="passed to every smoke (default: theirs, auto)")
     p.add_argument("--jobs", type=int, default=1, help="smokes run at once (default 1: each uses a core)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per smoke run (default 600)")
@@ -319,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                         "block size (REPEATED_IN: the row after a lesson runs that lesson's engine), where that row runs")
     args = p.parse_args(argv)
     for name, value in (("--jobs", args.jobs), ("--max-new-tokens", args.max_new_tokens), ("--timeout", args.timeout),
-                        *(("--block-sizes", s) for s in args.block_sizes)):
+                        ("--tp", args.tp or 1), *(("--block-sizes", s) for s in args.block_sizes)):
         if value < 1:
             p.error(f"{name} must be at least 1, got {value:g}")
     scripts = discover(ROOT / "scripts")
-    if args.skip_no_arg_runs and (args.max_new_tokens != 20 or args.device not in (None, "auto")):
-        p.error("--skip-no-arg-runs: a no-argument run uses the default --max-new-tokens and --device")
+    if args.skip_no_arg_runs and (args.max_new_tokens != 20 or args.device not in (None, "auto") or args.model):
+        p.error("--skip-no-arg-runs: a no-argument run uses the default --max-new-tokens, --device and --model")
     if args.lessons:
         unknown = set(args.lessons) - {"L" + SMOKE.match(s.name).group(1) for s in scripts}
         if unknown:
@@ -337,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         helps = pool.map(lambda s: subprocess.run([sys.executable, str(s), "--help"], capture_output=True, text=True,
                                                   cwd=ROOT).stdout, scripts)
         helps = dict(zip(scripts, helps))
-        cells = grid({s: has_blocks(h) for s, h in helps.items()}, args.dtypes, args.prompt_sets, args.block_sizes)
+        if "chat" in args.prompt_sets:
+            try:
+                PROMPT_SETS["chat"] = chat_prompts(args.model)
+            except CourseError as e:  # a model that cannot be found or made: one line, as a smoke would say it
+                p.error(f"--model {args.model}: {e}")
+        cells = grid({s: has_blocks(h) for s, h in helps.items()}, args.dtypes, args.prompt_sets, args.block_sizes,
+                     args.model, args.tp)
         skipped: frozenset[Cell] = frozenset()
         if args.skip_no_arg_runs:
             import torch
