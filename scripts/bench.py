@@ -26,7 +26,7 @@ from bench_systems import bench_shape_dir  # noqa: E402
 from kv_budget import budget_rows  # noqa: E402
 from roofline import Rates, WorkLog, flops, roofline_by_op  # noqa: E402
 from work_log import recording  # noqa: E402
-from shared.cli import OneLineParser, resolve_device, resolve_dtype  # noqa: E402
+from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
@@ -35,8 +35,8 @@ SYSTEMS = ("hf-single", "hf-static", "hf-cb", "l3", "l4", "l5", "l6")
 WORKLOADS = ("mixed", "shared-prefix")
 def parser() -> OneLineParser:
     p = OneLineParser(prog="bench.py", description=__doc__)
-    p.add_argument("--model", action="append", help="'tiny', 'bench' (a larger built-in shape) or an HF Qwen3 "
-                   "directory; repeatable (default: tiny and bench)")
+    p.add_argument("--model", action="append", help="'tiny', 'bench' (a larger built-in shape), 'smollm2' (a "
+                   "trained Llama) or an HF Qwen3 or Llama directory; repeatable (default: tiny and bench)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     p.add_argument("--new-tokens", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
@@ -93,9 +93,11 @@ def model_dir(name: str) -> Path:
         return default_model_dir()
     if name == "bench":
         return bench_shape_dir()
+    if name == "smollm2":  # converted into the cache on first use; a one-line error if its package is missing
+        return resolve_model_dir(name, default_model_dir)
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
-        raise CourseError(f"--model {name}: not 'tiny', 'bench' or a checkpoint directory")
+        raise CourseError(f"--model {name}: not 'tiny', 'bench', 'smollm2' or a checkpoint directory")
     return path
 
 

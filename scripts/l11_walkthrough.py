@@ -1,6 +1,6 @@
 """L11's worked example on the real engine: one request's verify step, carried through all the metadata.
 
-    python scripts/l11_walkthrough.py [--wrong 2]
+    python scripts/l11_walkthrough.py [--wrong 2] [--model smollm2]
 
 A 5-token prompt, block size 4, K = 4, graphs off. The replay drafter proposes the engine's own greedy
 continuation (computed first, without drafts) and corrupts one output position, --wrong (default 2: the
@@ -25,14 +25,16 @@ from lessons.l8_chunked_prefill.runner import scored_rows  # noqa: E402
 from lessons.l11_speculative import L11Engine  # noqa: E402
 from lessons.l11_speculative.replay import ReplayDrafter  # noqa: E402
 from lessons.l11_speculative.slice import VerifySlice  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S, K, BLOCKS, MAX_NEW = 4, 4, 16, 8
-PROMPT = [10, 20, 30, 40, 50]  # positions 0..4: block 1 full, block 2 holds position 4
+# positions 0..4: block 1 full, block 2 holds position 4. Ids, not text: the walkthrough is about the metadata and
+# the target's own choices, so any model's vocabulary serves (on SmolLM2, 10 is a special token; no matter).
+PROMPT = [10, 20, 30, 40, 50]
 
 
 def ints(xs) -> str:
@@ -44,6 +46,7 @@ def parser() -> OneLineParser:
     p.add_argument("--wrong", type=int, default=2,
                    help=f"the output position whose draft is corrupted, 1..{K} (default: 2, the second draft; "
                         f"0: none, every draft accepted and the bonus token kept)")
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
     return p
 
 
@@ -57,13 +60,13 @@ def main() -> None:
     try:
         if not 0 <= args.wrong <= K:
             raise CourseError(f"--wrong {args.wrong}: the first verify step drafts output positions 1..{K}")
-        run(args.wrong)
+        run(args.wrong, resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
 
 
-def run(wrong: int) -> None:
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+def run(wrong: int, model_dir: Path) -> None:
+    model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
     stop = StopRule(MAX_NEW, frozenset(), ignore_eos=True)
     plain = engine_for(model).generate_batch([PROMPT], stop)[0]  # the target alone: what the drafter replays
     drafter = ReplayDrafter({tuple(PROMPT): plain}, model.config.vocab_size, lambda seq, pos: pos == wrong)

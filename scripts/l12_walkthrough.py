@@ -1,6 +1,6 @@
 """L12's worked example on the real engine: one token's K row for one KV head, quantized by hand, found in the pool.
 
-    python scripts/l12_walkthrough.py [--layer L] [--head H] [--position P]
+    python scripts/l12_walkthrough.py [--layer L] [--head H] [--position P] [--model smollm2]
 
 A 7-token prompt through L12Engine with int8 KV (block size 4, the C++ kernel, graphs off): one prompt step.
 The pool's write is watched, so the row the model computed (fp32, after RoPE for K) is kept beside what the
@@ -24,14 +24,16 @@ from lessons.l12_kv_quant import L12Engine  # noqa: E402
 from lessons.l12_kv_quant.backends import DequantTorchBackend  # noqa: E402
 from lessons.l12_kv_quant.quantize import QMAX, SCALE_BYTES, dequantize, quantize  # noqa: E402
 from shared.attention import causal_attention  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S, BLOCKS, SHOWN = 4, 16, 8
-PROMPT = [10, 20, 30, 40, 50, 60, 70]  # positions 0..6: the table's first block full, its second holds 4..6
+# positions 0..6: the table's first block full, its second holds 4..6. Ids, not text: what is shown is one K row
+# and where it is stored, so any model's vocabulary serves (on SmolLM2, 10 is a special token; no matter).
+PROMPT = [10, 20, 30, 40, 50, 60, 70]
 
 
 def floats(xs, digits: int = 4) -> str:
@@ -47,6 +49,7 @@ def parser() -> OneLineParser:
     p.add_argument("--layer", type=int, default=0, help="the layer whose K row is shown (default: 0)")
     p.add_argument("--head", type=int, default=0, help="the KV head (default: 0)")
     p.add_argument("--position", type=int, default=5, help=f"the prompt position, 0..{len(PROMPT) - 1} (default: 5)")
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
     return p
 
 
@@ -54,13 +57,13 @@ def main() -> None:
     p = parser()
     args = p.parse_args()
     try:
-        run(args.layer, args.head, args.position)
+        run(args.layer, args.head, args.position, resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
 
 
-def run(layer: int, head: int, position: int) -> None:
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+def run(layer: int, head: int, position: int, model_dir: Path) -> None:
+    model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
     cfg = model.config
     for name, value, limit in (("layer", layer, cfg.num_hidden_layers), ("head", head, cfg.num_key_value_heads),
                                ("position", position, len(PROMPT))):

@@ -1,6 +1,6 @@
 """L13's worked example on the embedded model: JSON asked for and not given, then one grammar walked step by step.
 
-    python scripts/l13_walkthrough.py [--n N] [--seed S] [--steps K]
+    python scripts/l13_walkthrough.py [--n N] [--seed S] [--steps K] [--model smollm2]
 
 Part 1, the wall. A prompt asks for a JSON object with a city, an age and a name. N seeded sampled completions
 (temperature 1, seeds 0..N-1, at most 48 new tokens) without a grammar, and the same N seeds with a small bounded
@@ -11,7 +11,9 @@ model's own top 50 it allows; after it, the token the engine sampled, the same t
 sampler on the captured logits after `mask.apply`, from the request's seed), and the matcher's state (the
 text so far, is_accepting, is_stopped). Then the request runs to its end: the step where only EOS is allowed,
 and the finished output. Exit 0 when every constrained output validates and every hand draw equals the
-engine's; 1 otherwise; 2 on bad input. docs/l13_structured_output.md shows this output.
+engine's; 1 otherwise; 2 on bad input. docs/l13_structured_output.md shows this output. With --model, the
+prompt is the user turn of the checkpoint's chat template when it has one (an instruct model answers a turn;
+the embedded model's outputs are random either way, and the doc's are of the bare prompt).
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmark"))  # the co
 
 import harness  # noqa: E402
 from lessons.l4_continuous.sampling import sample_row  # noqa: E402
+from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS  # noqa: E402
 from lessons.l13_structured import L13Engine, mask  # noqa: E402
 from lessons.l13_structured.engine import matcher_of  # noqa: E402
 from lessons.l13_structured.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from lessons.l13_structured.sampling import ConstrainedSampling  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
@@ -74,6 +77,7 @@ def parser() -> OneLineParser:
     p.add_argument("--n", default="200", help=f"completions with and without the schema, 1..{MAX_N} (default: 200)")
     p.add_argument("--seed", default="0", help="the seed of the request walked step by step (default: 0)")
     p.add_argument("--steps", default="5", help=f"engine steps shown for that request, 1..{MAX_STEPS} (default: 5)")
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model; a model named here gets the prompt through its chat template")
     return p
 
 
@@ -84,36 +88,46 @@ def main() -> None:
         n = bounded("n", 1, MAX_N)(args.n)
         seed = bounded("seed", 0, 2**63 - 1)(args.seed)
         steps = bounded("steps", 1, MAX_STEPS)(args.steps)
-        ok = run(n, seed, steps)
+        model_dir = resolve_model_dir(args.model, default_model_dir)
+        loaded = load(model_dir)
+        text = PROMPT if args.model is None else chat_prompt(model_dir)
+        ok = run(n, seed, steps, loaded, text)
     except CourseError as e:
         p.error(str(e))
     sys.exit(0 if ok else 1)
 
 
-def load() -> tuple[Qwen3ForCausalLM, object, GrammarCompiler]:
-    model_dir = default_model_dir()
+def load(model_dir: Path) -> tuple[Qwen3ForCausalLM, object, GrammarCompiler]:
     model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
     tokenizer = load_tokenizer(model_dir)
     cfg = model.config
     return model, tokenizer, GrammarCompiler(tokenizer, cfg.vocab_size, frozenset(cfg.eos_token_ids))
 
 
-def run(n: int, seed: int, steps: int, loaded: tuple | None = None) -> bool:
+def chat_prompt(model_dir: Path) -> str:
+    """PROMPT as the user turn of the checkpoint's chat template, or PROMPT itself when it ships none."""
+    from lessons.l9_server.chat import ChatTemplate
+
+    template = ChatTemplate(model_dir)
+    return template.render([{"role": "user", "content": PROMPT.strip()}], {}) if template.available else PROMPT
+
+
+def run(n: int, seed: int, steps: int, loaded: tuple | None = None, text: str = PROMPT) -> bool:
     """Both parts; True when every constrained output validates and every hand draw is the engine's.
-    `loaded` (model, tokenizer, compiler) lets a test pass its session's copies."""
+    `loaded` (model, tokenizer, compiler) lets a test pass its session's copies; `text` is the prompt."""
     console = Console(highlight=False, soft_wrap=True)
     conditions = harness.start("cpu", torch.float32)
-    model, tokenizer, compiler = loaded or load()
+    model, tokenizer, compiler = loaded or load(default_model_dir())
     grammar = compiler.compile(GrammarSpec("json_schema", SCHEMA))
-    prompt = tokenizer.encode(PROMPT).ids
-    wall_ok, backend = wall(model, tokenizer, grammar, prompt, n)
+    prompt = tokenizer.encode(text).ids
+    wall_ok, backend = wall(model, tokenizer, grammar, prompt, n, text)
     walk_ok = walk(model, tokenizer, grammar, prompt, seed, steps)
     conditions.backend = backend
     harness.finish(conditions, console)
     return wall_ok and walk_ok
 
 
-def wall(model, tokenizer, grammar, prompt: list[int], n: int) -> tuple[bool, str]:
+def wall(model, tokenizer, grammar, prompt: list[int], n: int, text: str = PROMPT) -> tuple[bool, str]:
     eos = frozenset(model.config.eos_token_ids)
     stop = StopRule(MAX_NEW, eos, ignore_eos=False)
     # One batch: every request admitted at once (max_running), every prompt prefilled in the first step.
@@ -129,7 +143,7 @@ def wall(model, tokenizer, grammar, prompt: list[int], n: int) -> tuple[bool, st
         steps += 1
     seconds = time.perf_counter() - start
 
-    print(f"prompt ({len(prompt)} tokens): {quoted(PROMPT, 200)}")
+    print(f"prompt ({len(prompt)} tokens): {quoted(text, 400)}")
     print(f"schema: {json.dumps(SCHEMA, separators=(',', ':'))}")
     print(f"{n} completions without a grammar and {n} with the schema, temperature {TEMPERATURE:g}, seeds 0..{n - 1} "
           f"each, at most {MAX_NEW} new tokens, one L13Engine batch of {2 * n}: {steps} steps in {seconds:.1f} s "
@@ -163,7 +177,9 @@ def wall(model, tokenizer, grammar, prompt: list[int], n: int) -> tuple[bool, st
 def walk(model, tokenizer, grammar, prompt: list[int], seed: int, steps: int) -> bool:
     cfg = model.config
     eos = frozenset(cfg.eos_token_ids)
-    engine = L13Engine(model, BLOCK, graphs=False)
+    # Every step shown samples a token, so the prompt must prefill in one step: a chat-templated prompt can be
+    # longer than the default budget, and a step that only prefills a chunk samples nothing.
+    engine = L13Engine(model, BLOCK, graphs=False, max_batched_tokens=max(DEFAULT_MAX_BATCHED_TOKENS, len(prompt)))
     sampling = ConstrainedSampling(temperature=TEMPERATURE, seed=seed, grammar=grammar)
     seq = engine.add_request(prompt, StopRule(MAX_NEW, eos, ignore_eos=False), sampling)
     generator = torch.Generator().manual_seed(seed)  # the request's own stream, drawn again by hand

@@ -2,6 +2,7 @@
 
     python scripts/l6_walkthrough.py                                   # the pool after every step, one step's metadata
     python scripts/l6_walkthrough.py --plot docs/figures/l6_walkthrough.png
+    python scripts/l6_walkthrough.py --model smollm2                   # the same schedule on a trained model
 
 A arrives at step 0, B at 1, C at 2 (the engine clock when each is submitted); each engine step first
 advances the clock, so a request submitted at clock t is first scheduled in the step printed as t + 1.
@@ -19,13 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lessons.l3_block_tensor.batch_meta import BatchMeta  # noqa: E402
 from lessons.l6_prefix_sharing import L6Engine  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S, BLOCKS = 4, 10
-SYSTEM = list(range(11, 19))  # 8 tokens: two full blocks
+# 8 tokens: two full blocks. Only the ids' count and sharing matter here (nothing prints what the model says), so
+# the same ids serve any model: every vocabulary has them.
+SYSTEM = list(range(11, 19))
 REQUESTS = [  # name, prompt, submitted at clock, new tokens
     ("A", SYSTEM + [21, 22], 0, 3),
     ("B", SYSTEM + [31, 32, 33], 1, 2),
@@ -57,8 +61,8 @@ def spans(blocks: list[int]) -> str:
     return ", ".join(out) or "-"
 
 
-def run() -> tuple[list[Snapshot], dict[str, torch.Tensor], list[str]]:
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+def run(model_dir: Path) -> tuple[list[Snapshot], dict[str, torch.Tensor], list[str]]:
+    model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
     engine = L6Engine(model, S, BLOCKS, backend="torch")
     names: dict[int, str] = {}
     metas: dict[int, BatchMeta] = {}
@@ -152,8 +156,12 @@ def plot(snapshots: list[Snapshot], path: Path) -> None:
 def main() -> None:
     p = OneLineParser(prog="l6_walkthrough.py", description=__doc__.splitlines()[0])
     p.add_argument("--plot", metavar="PNG", help="also draw the pool after every step into this file")
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
     args = p.parse_args()
-    snapshots, meta, order = run()
+    try:
+        snapshots, meta, order = run(resolve_model_dir(args.model, default_model_dir))
+    except CourseError as e:
+        p.error(str(e))
     print_table(snapshots)
     print_meta(meta, order)
     if args.plot:

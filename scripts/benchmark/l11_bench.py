@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py curve [--models tiny,bench] [--batches 1,4,16]
         [--queries 1,2,4,8,16] [--history 512] [--rounds 20] [--json PATH] [--png PATH]
-    OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py speedup [--model bench|tiny] [--batches 1,4,16]
+    OMP_NUM_THREADS=1 python scripts/benchmark/l11_bench.py speedup [--model bench|tiny|smollm2] [--batches 1,4,16]
         [--alphas 0,0.5,0.8,1] [--k 4] [--prompt-len 32-64] [--max-new-tokens 64] [--rounds 8] [--no-ngram]
         [--json PATH] [--png PATH]
 
@@ -53,6 +53,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -69,13 +70,15 @@ from lessons.l8_chunked_prefill.slice import Slice  # noqa: E402
 from lessons.l11_speculative import L11Engine  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
 from lessons.l11_speculative.replay import ReplayDrafter, wrong_with_rate  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
-MODELS = {"tiny": default_model_dir, "bench": bench_shape_dir}
+# Resolved only when chosen: smollm2 is converted into the cache on first use, and needs its package installed.
+MODELS: dict[str, Callable[[], Path]] = {"tiny": default_model_dir, "bench": bench_shape_dir,
+                                         "smollm2": lambda: resolve_model_dir("smollm2", default_model_dir)}
 BLOCK_SIZE = 16
 
 
@@ -598,7 +601,7 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog="l11_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("curve", help="one forward's time against query tokens per request")
-    c.add_argument("--models", type=names, default="tiny,bench", help=f"of {', '.join(MODELS)} (default both)")
+    c.add_argument("--models", type=names, default="tiny,bench", help=f"of {', '.join(MODELS)} (default tiny,bench)")
     c.add_argument("--batches", type=ints, default="1,4,16")
     c.add_argument("--queries", type=ints, default="1,2,4,8,16", help="query tokens per request (K + 1)")
     c.add_argument("--history", type=int, default=512, help="tokens per request already in the pool")
@@ -615,7 +618,7 @@ def parser() -> OneLineParser:
     c.set_defaults(run=curve)
 
     s = sub.add_parser("speedup", help="the engine with drafts against itself without, per batch and drafter")
-    s.add_argument("--model", choices=list(MODELS), default="bench", help="bench (default) or tiny")
+    s.add_argument("--model", choices=list(MODELS), default="bench", help="bench (default), tiny or smollm2")
     s.add_argument("--batches", type=ints, default="1,4,16")
     s.add_argument("--alphas", type=alphas, default="0,0.5,0.8,1", help="the replay drafter's acceptance rates")
     s.add_argument("--k", type=int, default=4, help="drafts per verify step (num_speculative_tokens, default 4)")

@@ -1,7 +1,7 @@
 """int8 KV against bf16 and fp32 KV in the same pool bytes, in one run: what fits, what it decodes, what one
 layer's attention reads.
 
-    OMP_NUM_THREADS=1 python scripts/benchmark/l12_bench.py [--model bench|tiny] [--pool-mib 16] [--prompt-len 128]
+    OMP_NUM_THREADS=1 python scripts/benchmark/l12_bench.py [--model bench|tiny|smollm2] [--pool-mib 16] [--prompt-len 128]
         [--new-tokens 32] [--rounds 5] [--histories 512,2048,8192] [--attn-batch 8] [--attn-rounds 9] [--json PATH]
 
 a. Capacity: L12Engine's pool sized in bytes (--pool-mib) for each KV storage dtype: the blocks it holds (read
@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -44,13 +45,15 @@ from lessons.l12_kv_quant.backends import DequantTorchBackend, int8_backend  # n
 from lessons.l12_kv_quant.engine import L12Engine  # noqa: E402
 from lessons.l12_kv_quant.quantize import SCALE_BYTES, pack_rows  # noqa: E402
 from scripts.launch_count import qwen3_config  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
-MODELS = {"tiny": default_model_dir, "bench": bench_shape_dir}
+# Resolved only when chosen: smollm2 is converted into the cache on first use, and needs its package installed.
+MODELS: dict[str, Callable[[], Path]] = {"tiny": default_model_dir, "bench": bench_shape_dir,
+                                         "smollm2": lambda: resolve_model_dir("smollm2", default_model_dir)}
 BLOCK = 16
 MIB = 1024**2
 # name -> (model dtype, kv_dtype): the model's dtype decides what "auto" stores
@@ -203,7 +206,7 @@ def report(cap: list[dict], attn: list[dict], args, console: Console) -> list[st
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l12_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=list(MODELS), default="bench", help="bench (default) or tiny, for a and b")
+    p.add_argument("--model", choices=list(MODELS), default="bench", help="bench (default), tiny or smollm2, for a and b")
     p.add_argument("--pool-mib", type=float, default=16, help="KV pool bytes for every system (default 16 MiB)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request, EOS ignored (default 32)")

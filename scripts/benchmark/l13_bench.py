@@ -2,9 +2,9 @@
 per step, and what compiling a grammar costs, fresh and from the cache.
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l13_bench.py [--batches 1,16] [--prompt-len 32] [--steps 32]
-        [--string-length 1000] [--rounds 5] [--compile-rounds 5] [--json PATH]
+        [--string-length 1000] [--rounds 5] [--compile-rounds 5] [--model smollm2] [--json PATH]
 
-a. Decode throughput. L13's engine on the embedded model, fp32, greedy, graphs on as the engine's default. Per
+a. Decode throughput. L13's engine on the embedded model (or --model's), fp32, greedy, graphs on as the engine's default. Per
    batch B: B random prompts of --prompt-len tokens, all arriving at once, a token budget that prefills them in
    one step, then --steps decode steps with EOS ignored; only the decode steps are timed, and only while all B
    requests still run. Two systems on the same prompts: unconstrained, and constrained by a JSON schema whose
@@ -50,7 +50,7 @@ from lessons.l4_continuous.sampling import SamplingParams  # noqa: E402
 from lessons.l13_structured import L13Engine, engine as l13_engine, mask  # noqa: E402
 from lessons.l13_structured.grammar import Grammar, GrammarCompiler, GrammarSpec  # noqa: E402
 from lessons.l13_structured.sampling import ConstrainedSampling  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
@@ -263,7 +263,8 @@ def compiling(compiler: GrammarCompiler, tokenizer_load_s: float, args) -> list[
 
 def report(rows: list[dict], compile_rows: list[dict], args, console: Console) -> list[str]:
     console.print(harness.table(
-        f"a. decode: embedded model, fp32, greedy, {args.prompt_len}-token prompts, {args.steps} decode steps timed "
+        f"a. decode: {'embedded' if args.model is None else args.model} model, fp32, greedy, {args.prompt_len}-token "
+        f"prompts, {args.steps} decode steps timed "
         f"(EOS ignored), constrained by a JSON string of exactly {args.string_length:,} characters (grammar from the "
         f"cache); median of {args.rounds} alternating round(s); x plain: per-round ratio to unconstrained, median",
         ["batch", "system", "decode step", "decode tok/s", "rounds tok/s", "x plain", "rounds x plain"],
@@ -314,6 +315,8 @@ def parser() -> OneLineParser:
     p.add_argument("--rounds", type=int, default=5, help="alternating decode rounds (default 5)")
     p.add_argument("--compile-rounds", type=int, default=5, help="fresh compiles per schema (default 5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny "
+                                   "model")
     p.add_argument("--json", metavar="PATH")
     return p
 
@@ -334,11 +337,11 @@ def main(argv: list[str] | None = None) -> None:
         if min(args.prompt_len, args.steps, args.string_length, args.rounds, args.compile_rounds) <= 0:
             raise CourseError("sizes and rounds must be positive")
         conditions = harness.start("cpu", torch.float32)
-        conditions.extra.update(model="tiny", prompt=str(args.prompt_len), steps=str(args.steps),
+        conditions.extra.update(model=args.model or "tiny", prompt=str(args.prompt_len), steps=str(args.steps),
                                 string=str(args.string_length), rounds=str(args.rounds))
         console.print("[bold]L13 structured-output benchmark[/]: constrained against unconstrained decoding, the "
                       "mask per step, compiling")
-        model_dir = default_model_dir()
+        model_dir = resolve_model_dir(args.model, default_model_dir)
         tokenizer, cfg = load_tokenizer(model_dir), Qwen3Config.from_dir(model_dir)
         t0 = time.perf_counter()
         compiler = GrammarCompiler(tokenizer, cfg.vocab_size, frozenset(cfg.eos_token_ids))
