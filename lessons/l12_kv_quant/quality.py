@@ -15,8 +15,9 @@ positions (whose errors are correlated) drawn with replacement, the same draw fo
 seeded. It is a non-inferiority test with stated margins: the test may be worse than the yardstick by at most
 KL_MARGIN (a ratio, for the KLs) and TOP1_MARGIN (for top-1 agreement). A measure "holds" when its 95% interval
 (test / yardstick for the KLs, test - yardstick for top-1) lies wholly within the margin; "fails" when it lies
-wholly beyond it; "unresolved" when it straddles the margin (more positions narrow the interval). The tail judged is the highest percentile the sample resolves: one with at least MIN_TAIL
-positions beyond it (p99.9 from 10,000 positions; p99 from 1,000); below 1,000 positions no tail is judged.
+wholly beyond it; "unresolved" when it straddles the margin (more positions narrow the interval).
+The tails judged are the percentiles the sample resolves, each with at least MIN_TAIL positions beyond
+it: p99 from 1,000 positions, p99.9 too from 10,000; below 1,000 positions no tail is judged.
 The contract holds when every judged measure holds.
 """
 from __future__ import annotations
@@ -147,7 +148,7 @@ class Measure:
 class Judgement:
     positions: int
     measures: tuple[Measure, ...]
-    tail_note: str  # which percentile is judged, and why not a higher one
+    tail_note: str  # why no higher percentile is judged ("" when p99.9 is)
 
     @property
     def holds(self) -> bool:
@@ -157,9 +158,9 @@ class Judgement:
         return "; ".join(m.line() for m in self.measures)
 
 
-def tail_quantile(positions: int) -> float | None:
-    """The highest percentile with MIN_TAIL positions beyond it (p99.9 from 10,000, p99 from 1,000), or None."""
-    return next((q for q in (0.999, 0.99) if positions * (1 - q) >= MIN_TAIL - 1e-9), None)
+def tail_quantiles(positions: int) -> list[float]:
+    """The percentiles with MIN_TAIL positions beyond them: p99 from 1,000 positions, p99.9 too from 10,000."""
+    return [q for q in (0.99, 0.999) if positions * (1 - q) >= MIN_TAIL - 1e-9]
 
 
 def judge(test: Quality, yardstick: Quality, seed: int = 0) -> Judgement:
@@ -198,16 +199,16 @@ def judge(test: Quality, yardstick: Quality, seed: int = 0) -> Judgement:
                        "holds" if high <= KL_MARGIN else "fails" if low > KL_MARGIN else "unresolved")
 
     measures = [ratio("mean KL", test.mean_kl, yardstick.mean_kl, means(test.kl), means(yardstick.kl))]
-    q = tail_quantile(n)
-    if q is not None:
-        label = f"p{100 * q:g} KL"
-        measures.append(ratio(label, float(torch.quantile(test.kl, q)), float(torch.quantile(yardstick.kl, q)),
-                              quantiles(test.kl, q), quantiles(yardstick.kl, q)))
+    tails = tail_quantiles(n)
+    for q in tails:
+        t, y = float(torch.quantile(test.kl, q)), float(torch.quantile(yardstick.kl, q))
+        measures.append(ratio(f"p{100 * q:g} KL", t, y, quantiles(test.kl, q), quantiles(yardstick.kl, q)))
     low, high = interval(means(test.agree) - means(yardstick.agree))
     measures.append(Measure("top-1 agreement", test.top1, yardstick.top1, low, high,
                             "holds" if low >= -TOP1_MARGIN else "fails" if high < -TOP1_MARGIN else "unresolved"))
-    note = (f"p99.9 not judged: {n:,} positions leave {n * 0.001:.1f} beyond it (needs {MIN_TAIL})" if q == 0.99
-            else "" if q else f"no tail judged: {n:,} positions leave {n * 0.01:.1f} beyond p99 (needs {MIN_TAIL})")
+    note = ("" if len(tails) == 2 else
+            f"p99.9 not judged: {n:,} positions leave {n * 0.001:.1f} beyond it (needs {MIN_TAIL})" if tails else
+            f"no tail judged: {n:,} positions leave {n * 0.01:.1f} beyond p99 (needs {MIN_TAIL})")
     return Judgement(n, tuple(measures), note)
 
 
