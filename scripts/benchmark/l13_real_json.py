@@ -88,11 +88,25 @@ def run_batch(model, prompts: list[list[int]], grammar) -> tuple[list[list[int]]
     return [[t for t in s.output_ids if t not in eos] for s in seqs], end - start, end - first_step_end
 
 
-def main() -> int:
+def parser() -> OneLineParser:
     p = OneLineParser(prog="l13_real_json.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="a checkpoint directory or a named model (default: smollm2)")
     p.add_argument("--n", type=int, default=100, help="requests per batch (default 100)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the two batches (default 2)")
+    return p
+
+
+def planned(args, env: dict[str, str], measured_device: str) -> dict[str, str]:
+    """What this command runs with today (tests/test_doc_measured.py): the CPU, fp32, the engine's backend, the
+    thread count its command line sets."""
+    out = {"device": "cpu", "dtype": "float32", "backend": harness.resolve_backend("auto", "cpu", torch.float32)}
+    if "OMP_NUM_THREADS" in env:
+        out["threads"] = env["OMP_NUM_THREADS"]
+    return out
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     if args.n < 1 or args.rounds < 1:
         p.error(f"--n and --rounds must be at least 1, got {args.n} and {args.rounds}")
@@ -135,7 +149,7 @@ def main() -> int:
                       f"(median of {args.rounds})")
         console.print(f"{'':>15}  first reply: {tokenizer.decode(outputs[0])!r}")
     console.print(f"with the schema / free text decode throughput: {rates['with the schema'] / rates['free text']:.2f}x")
-    conditions.backend = "cpp" if harness.resolve_backend("auto") == "cpp" else harness.resolve_backend("auto")
+    conditions.backend = harness.resolve_backend("auto", "cpu", torch.float32)
     conditions.extra.update(model=str(args.model), n=str(args.n))
     harness.finish(conditions, console)
     return 0
