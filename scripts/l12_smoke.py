@@ -58,26 +58,22 @@ QUALITY_NEW_TOKENS = 70
 KV_DEFAULT = "int8"  # the smoke shows the new pool; the engine's own default is "auto" (every earlier lesson's)
 
 
-def kv_bytes(text: str) -> int:
-    """--kv-bytes: a whole number of bytes of at least 1, refused at parse time (one line, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1 byte")
-    return value
+def whole_number(unit: str, one: str):
+    """An argparse type: a whole number of `unit` of at least 1, refused at parse time (one line, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {unit}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} is below 1 {one}")
+        return value
+    parse.__name__ = unit  # argparse names the type in its error line
+    return parse
 
 
-def quality_tokens(text: str) -> int:
-    """--quality-new-tokens: a whole number of at least 1 (one line, exit 2 otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1 token")
-    return value
+kv_bytes = whole_number("bytes", "byte")  # --kv-bytes
+quality_tokens = whole_number("tokens", "token")  # --quality-new-tokens
 
 
 def parser():

@@ -330,12 +330,9 @@ def test_speculation_with_rejected_drafts_gives_the_same_json(servers):
 # --- compiling off the event loop (in process) -----------------------------------------------------------
 
 
-def test_a_compile_that_blocks_stalls_neither_health_nor_other_requests(tokenizer):
-    """The ASGI app in process on L9's fake runner, its StructuredOutputs' compile replaced by one that blocks
-    until the test releases it. While a json_schema request waits in it, /health answers and an unconstrained
-    request completes; only then is the compile released (and refused: a 400 naming the field). Had the
-    compile run on the event loop, nothing would answer until its 10 s wait ran out, and its message would
-    say so."""
+def blocking_compile_server(tokenizer, unreleased: str, released: str):
+    """L9's fake-runner loop and model, and StructuredOutputs whose compile signals `entered`, then blocks until the
+    test sets `release` (10 s at most) and refuses: "released" when released, "unreleased" when never."""
     loop = make_loop(tokenizer)
     model = served(tokenizer)
     structured = StructuredOutputs(tokenizer, model.vocab_size, frozenset(), loop.metrics.registry)
@@ -343,11 +340,20 @@ def test_a_compile_that_blocks_stalls_neither_health_nor_other_requests(tokenize
 
     def blocking_compile(spec: GrammarSpec):
         entered.set()
-        if not release.wait(10.0):
-            raise CourseError("json_schema cannot be compiled: never released (the event loop was blocked)")
-        raise CourseError("json_schema cannot be compiled: released by the test")
+        raise CourseError(f"json_schema cannot be compiled: {released if release.wait(10.0) else unreleased}")
 
     structured.compile = blocking_compile
+    return loop, model, structured, entered, release
+
+
+def test_a_compile_that_blocks_stalls_neither_health_nor_other_requests(tokenizer):
+    """The ASGI app in process on L9's fake runner, its StructuredOutputs' compile replaced by one that blocks
+    until the test releases it. While a json_schema request waits in it, /health answers and an unconstrained
+    request completes; only then is the compile released (and refused: a 400 naming the field). Had the
+    compile run on the event loop, nothing would answer until its 10 s wait ran out, and its message would
+    say so."""
+    loop, model, structured, entered, release = blocking_compile_server(
+        tokenizer, "never released (the event loop was blocked)", "released by the test")
     app = create_app(model, loop, structured=structured)
 
     async def main():
@@ -380,18 +386,9 @@ def test_a_compile_past_its_deadline_is_a_400_that_frees_everything(tokenizer, m
     is up by one and no structured request is counted. A plain request sent while the compile blocks, and
     another after the 400, complete with the fake runner's reference tokens."""
     monkeypatch.setattr(server_module, "COMPILE_TIMEOUT_S", 0.5)
-    loop = make_loop(tokenizer)
-    model = served(tokenizer)
-    structured = StructuredOutputs(tokenizer, model.vocab_size, frozenset(), loop.metrics.registry)
-    entered, release = threading.Event(), threading.Event()
-
-    def blocking_compile(spec: GrammarSpec):
-        entered.set()
-        if not release.wait(10.0):
-            raise CourseError("json_schema cannot be compiled: never released (the deadline did not answer it)")
-        raise CourseError("json_schema cannot be compiled: released by the test (the request waited for it)")
-
-    structured.compile = blocking_compile
+    loop, model, structured, entered, release = blocking_compile_server(
+        tokenizer, "never released (the deadline did not answer it)",
+        "released by the test (the request waited for it)")
     submitted: list[list[int]] = []
     submit = loop.submit
 
