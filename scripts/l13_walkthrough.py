@@ -77,7 +77,8 @@ def parser() -> OneLineParser:
     p.add_argument("--n", default="200", help=f"completions with and without the schema, 1..{MAX_N} (default: 200)")
     p.add_argument("--seed", default="0", help="the seed of the request walked step by step (default: 0)")
     p.add_argument("--steps", default="5", help=f"engine steps shown for that request, 1..{MAX_STEPS} (default: 5)")
-    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model; a model named here gets the prompt through its chat template")
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny "
+                                   "model; a model named here gets the prompt through its chat template")
     return p
 
 
