@@ -62,7 +62,8 @@ def test_no_arguments_is_int8_and_the_contract_holds(no_args):
     assert all(int(n.replace(",", "")) >= 1000 for _, n in quality)
     assert re.search(r"^PASS: int8 KV moves the next-token distributions no more than bf16 compute does", out, re.M)
     # the judgement: each judged measure with its paired interval and verdict; p99.9 not judged at this size
-    judged = re.findall(r"(mean KL|p99 KL|top-1 agreement) [^;]*\[[-+\d., ]+\] (holds|fails|unresolved)", out)
+    verdicts = re.search(r"^int8 against bf16, paired.*$", out, re.M).group(0)
+    judged = re.findall(r"(mean KL|p99 KL|top-1 agreement) [^;]*\[[-+\d., ]+\] (holds|fails|unresolved)", verdicts)
     assert judged == [("mean KL", "holds"), ("p99 KL", "holds"), ("top-1 agreement", "holds")], out
     assert "p99.9 not judged: 1,021 positions leave 1.0 beyond it (needs 10)" in out, out
     free, usable = map(int, re.search(r"^PASS: ([\d,]+) of ([\d,]+) usable blocks free", out, re.M).groups())
