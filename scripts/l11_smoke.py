@@ -8,6 +8,7 @@ without speculation, same arrivals). The report gives drafted and accepted token
     python scripts/l11_smoke.py                              # n-gram (prompt lookup) drafts, K = 4
     python scripts/l11_smoke.py --drafter draft              # the target model drafts for itself
     python scripts/l11_smoke.py --drafter draft --draft-model DIR --num-speculative-tokens 2
+    python scripts/l11_smoke.py --drafter draft --draft-layers 2  # early exit: the target's first 2 layers
     python scripts/l11_smoke.py --tp 2                       # L11 over L10's split model, rank 1 spawned here
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lessons.l10_tensor_parallel.layout import check_tp  # noqa: E402
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM  # noqa: E402
 from lessons.l11_speculative import L11Engine, L11TpEngine  # noqa: E402
 from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
+from lessons.l11_speculative.early_exit import early_exit  # noqa: E402
 from lessons.l11_speculative.engine import DEFAULT_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
 from l8_smoke import LONG, SHORT  # noqa: E402  (scripts/ is on the path when a smoke runs)
@@ -86,6 +88,8 @@ def parser():
     p.add_argument("--draft-model", type=draft_model_dir, help="checkpoint directory of the draft model for --drafter draft, same "
                                          "tokenizer as the target (default: the target model itself drafting for "
                                          "itself, so greedy drafts are all accepted)")
+    p.add_argument("--draft-layers", type=int, help="for --drafter draft: the target's own first N layers, then its "
+                   "final norm and LM head, draft (early exit; instead of --draft-model)")
     p.add_argument("--num-speculative-tokens", type=speculative_tokens, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help=f"K, most drafts per request per step; 0: no speculation (default: "
                         f"{DEFAULT_NUM_SPECULATIVE_TOKENS})")
@@ -102,7 +106,10 @@ def parser():
 
 
 def load_draft_model(args, target: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-    """--draft-model DIR, loaded in the target's dtype on its device; none named: the target itself."""
+    """--draft-model DIR, loaded in the target's dtype on its device; --draft-layers N: the target's first N
+    layers; neither: the target itself."""
+    if args.draft_layers is not None:
+        return early_exit(target, args.draft_layers)
     if args.draft_model is None:
         return target
     path = resolve_model_dir(args.draft_model, default_model_dir)
@@ -112,8 +119,10 @@ def load_draft_model(args, target: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
 
 def build_engines(model, args):
     check_num_speculative_tokens(args.num_speculative_tokens)  # before anything is loaded or started
-    if args.draft_model is not None and args.drafter != "draft":
-        raise CourseError("--draft-model needs --drafter draft")
+    if (args.draft_model is not None or args.draft_layers is not None) and args.drafter != "draft":
+        raise CourseError("--draft-model and --draft-layers need --drafter draft")
+    if args.draft_model is not None and args.draft_layers is not None:
+        raise CourseError("--draft-model and --draft-layers are two draft models: give one")
 
     def engine(cls, m, **spec):
         return cls(m, args.block_size, args.num_blocks, args.max_running, args.backend, graphs=args.graphs == "on",
@@ -163,6 +172,8 @@ def spec_report(model, setup, args):
         ok = ok and spec.drafted > 0
     if args.drafter == "ngram":
         who = "n-gram drafter (prompt lookup, n 4..2)"
+    elif args.draft_layers is not None:
+        who = f"early-exit draft: the target's first {args.draft_layers} layers"
     elif args.draft_model is None:
         who = "draft model: the target itself drafting for itself (no --draft-model)"
     else:

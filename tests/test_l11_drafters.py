@@ -284,3 +284,59 @@ def test_a_garbage_draft_pool_costs_acceptance_never_tokens(tiny_model, prompt_i
     drafted, accepted = engine.spec.drafted - before[0], engine.spec.accepted - before[1]
     assert drafted > 0 and accepted < drafted
     assert engine.allocator.num_free == engine.usable_blocks
+
+
+# --- the early-exit draft: the target's own first layers -----------------------------------------------------------
+
+class RecordingDraft(DraftModelDrafter):
+    """Notes, per proposal, the request's committed tokens and the draft's first guess after them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first_guesses: list[tuple[list[int], int]] = []
+
+    def propose(self, decodes, limits):
+        drafts = super().propose(decodes, limits)
+        for piece, draft in zip(decodes, drafts):
+            if draft.tokens:
+                self.first_guesses.append((piece.seq.token_ids(0, piece.seq.num_tokens), draft.tokens[0]))
+        return drafts
+
+
+def test_early_exit_is_the_targets_first_layers_and_its_guesses_are_the_logit_lens(tiny_model, tiny_dir, prompt_ids):
+    """early_exit(model, 2) holds the target's own tensors (nothing copied). As L11's draft model, each first
+    guess is what HF's model gives from its first two layers' output through the final norm and LM head (the
+    logit lens), on the same tokens; and the output is still L9's, whatever it guesses."""
+    from transformers import AutoModelForCausalLM
+
+    from lessons.l11_speculative.early_exit import early_exit
+
+    shallow = early_exit(tiny_model, 2)
+    assert shallow.config.num_hidden_layers == 2 and len(shallow.model.layers) == 2
+    assert all(a is b for a, b in zip(shallow.model.layers, tiny_model.model.layers))
+    assert shallow.lm_head.weight.data_ptr() == tiny_model.lm_head.weight.data_ptr()
+    assert shallow.model.embed_tokens is tiny_model.model.embed_tokens and shallow.model.norm is tiny_model.model.norm
+
+    stop = stop_for(tiny_model, 12)
+    want = L9Engine(tiny_model, BLOCK, backend="torch").generate_batch(prompt_ids, stop, stagger=1)
+    drafter = RecordingDraft(shallow, backend="torch")
+    engine = L11Engine(tiny_model, BLOCK, backend="torch", drafter=drafter, num_speculative_tokens=3)
+    assert engine.generate_batch(prompt_ids, stop, stagger=1) == want
+    assert engine.spec.drafted > 0 and engine.allocator.num_free == engine.usable_blocks
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    checked = drafter.first_guesses[:12]
+    assert len(checked) == 12
+    with torch.inference_mode():
+        for tokens, guess in checked:
+            h = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[2][0, -1]
+            lens = hf.lm_head(hf.model.norm(h))
+            assert guess == int(lens.argmax()), f"after {len(tokens)} tokens: draft guessed {guess}, lens {int(lens.argmax())}"
+
+
+@pytest.mark.parametrize("layers", [0, 4, -1])
+def test_early_exit_refuses_depths_outside_the_target(tiny_model, layers):
+    from lessons.l11_speculative.early_exit import early_exit
+
+    with pytest.raises(CourseError, match=rf"--draft-layers must be 1 to 3 \(the target has 4 layers\), got {layers}"):
+        early_exit(tiny_model, layers)

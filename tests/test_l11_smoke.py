@@ -106,7 +106,12 @@ def test_k_zero_is_l9(capsys):
     (["--num-speculative-tokens", "2.5"], "error: argument --num-speculative-tokens: '2.5' is not a whole number"),
     (["--drafter", "draft", "--draft-model", "/no/such/draft"],
      "error: argument --draft-model: directory /no/such/draft does not exist"),
-    (["--draft-model", "{tmp}"], "error: --draft-model needs --drafter draft"),
+    (["--draft-model", "{tmp}"], "error: --draft-model and --draft-layers need --drafter draft"),
+    (["--draft-layers", "2"], "error: --draft-model and --draft-layers need --drafter draft"),
+    (["--drafter", "draft", "--draft-layers", "2", "--draft-model", "{tmp}"],
+     "error: --draft-model and --draft-layers are two draft models: give one"),
+    (["--drafter", "draft", "--draft-layers", "4"],
+     "error: --draft-layers must be 1 to 3 (the target has 4 layers), got 4"),
     (["--drafter", "draft", "--draft-model", "{tmp}"], "error: no config.json in model directory {tmp}"),
     (["--drafter", "draft", "--draft-model", "{vocab}"],
      "error: the draft model's vocabulary (1000) is not the target's (151936): it must use the same tokenizer"),
@@ -118,6 +123,16 @@ def test_bad_values_are_one_line_exit_2(argv, message, tmp_path, capsys):
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith(message.replace("{tmp}", str(tmp_path))), lines
+
+
+def test_an_early_exit_draft_keeps_parity(capsys):
+    """The target's first two layers draft: HF's and L9's tokens still, and the report names the draft."""
+    code, out, err = run_script(SCRIPT, ["--drafter", "draft", "--draft-layers", "2", "--max-new-tokens", "8",
+                                         "--json", *FEW], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["match"] and result["extra_check"]["ok"], err
+    assert "early-exit draft: the target's first 2 layers" in result["extra_check"]["message"]
+    assert counts(result["extra_check"]["message"])["drafted"] > 0
 
 
 def test_tp2_speculates_on_the_split_model():
