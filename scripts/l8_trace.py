@@ -9,12 +9,14 @@ docs/l8_chunked_prefill.md shows this output, and the doc's test reruns the scri
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l8_chunked_prefill import L8Engine
 from lessons.l8_chunked_prefill.slice import Slice
-from shared.cli import OneLineParser
+from shared.cli import OneLineParser, resolve_model_dir
 from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
@@ -42,15 +44,16 @@ def ints(t: torch.Tensor) -> str:
 def main() -> None:
     p = OneLineParser(prog="l8_trace.py", description=__doc__.splitlines()[0])
     p.add_argument("--max-batched-tokens", type=int, default=8, help="the token budget of one step (default: 8)")
+    p.add_argument("--model", help="a checkpoint directory or a named model such as smollm2 (default: embedded)")
     args = p.parse_args()
     try:
-        run(args.max_batched_tokens)
+        run(args.max_batched_tokens, resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
 
 
-def run(budget: int) -> None:
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+def run(budget: int, model_dir: Path) -> None:
+    model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
     engine = L8Engine(model, S, 32, graphs=False, max_batched_tokens=budget)
     names: dict[int, str] = {}
     schedule = engine.scheduler.schedule

@@ -24,7 +24,8 @@ from tokenizers.decoders import DecodeStream  # noqa: E402
 
 from lessons.l9_server.detokenizer import IncrementalDetokenizer, OffsetDetokenizer, TokenBytes  # noqa: E402
 from lessons.l9_server.stop_strings import StopStringMatcher  # noqa: E402
-from shared.cli import OneLineParser  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
@@ -49,10 +50,15 @@ def main() -> None:
     p = OneLineParser(prog="l9_walkthrough.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--text", default=TEXT, help=f"the text to detokenize back (default: {TEXT!r})")
     p.add_argument("--stop", default=STOP, help=f"the stop string (default: {STOP!r})")
+    p.add_argument("--model", help="whose tokenizer: a checkpoint directory or a named model such as smollm2 "
+                   "(default: the embedded model's)")
     args = p.parse_args()
     if not args.text or not args.stop:
         p.error("--text and --stop must not be empty")
-    tokenizer = load_tokenizer(default_model_dir())
+    try:
+        tokenizer = load_tokenizer(resolve_model_dir(args.model, default_model_dir))
+    except CourseError as e:
+        p.error(str(e))
     token_bytes = TokenBytes(tokenizer)
     ids = tokenizer.encode(args.text).ids
 

@@ -17,7 +17,8 @@ from rich.text import Text
 
 from lessons.l4_continuous import Arrival, L4Engine
 from lessons.l5_preemption import L5Engine
-from shared.cli import OneLineParser
+from shared.cli import OneLineParser, resolve_model_dir
+from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
 from shared.tiny_qwen3 import default_model_dir
@@ -34,10 +35,16 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--stagger", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="a checkpoint directory or a named model such as smollm2 (default: embedded)")
     args = p.parse_args()
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+    try:
+        model_dir = resolve_model_dir(args.model, default_model_dir)
+    except CourseError as e:
+        p.error(str(e))
+    model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
     rng = random.Random(args.seed)
-    work = [Arrival([rng.randrange(1000, 100000) for _ in range(rng.randint(4, 40))], StopRule(rng.randint(4, 40)),
+    top = min(model.config.vocab_size, 100000)
+    work = [Arrival([rng.randrange(1000, top) for _ in range(rng.randint(4, 40))], StopRule(rng.randint(4, 40)),
                     step=args.stagger * i) for i in range(args.requests)]
     kw = {"policy": args.policy} if args.lesson == "l5" else {}
     engine = (L5Engine if args.lesson == "l5" else L4Engine)(model, args.block_size, args.num_blocks, backend="torch", **kw)

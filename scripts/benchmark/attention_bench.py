@@ -185,13 +185,16 @@ def threads_scaling(args: argparse.Namespace) -> None:
 def engine_run(args: argparse.Namespace) -> None:
     from lessons.l4_continuous import L4Engine
     from shared.generation import StopRule
+    from shared.cli import resolve_model_dir
     from shared.model import Qwen3ForCausalLM
     from shared.tiny_qwen3 import default_model_dir
 
-    model = Qwen3ForCausalLM.from_dir(default_model_dir(), torch.float32, torch.device("cpu"))
+    model = Qwen3ForCausalLM.from_dir(resolve_model_dir(args.model, default_model_dir), torch.float32,
+                                      torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     step = (args.max_history - args.min_history) / max(1, args.requests - 1)
-    prompts = [torch.randint(0, 151_000, (round(args.min_history + i * step),), generator=g).tolist()
+    top = min(model.config.vocab_size, 151_000)  # ordinary tokens of either vocabulary
+    prompts = [torch.randint(0, top, (round(args.min_history + i * step),), generator=g).tolist()
                for i in range(args.requests)]
     stop = StopRule(args.new_tokens, ignore_eos=True)
     # Room for every request at once: backpressure would change the batches the two backends see.
@@ -210,7 +213,7 @@ def engine_run(args: argparse.Namespace) -> None:
     assert all(tokens == out["torch"] for tokens in out.values()), "the backends disagree on the tokens"
     assert all(used[name] == name for name in used), f"an engine fell back to another backend: {used}"
     console.print(harness.table(
-        f"whole L4 run: embedded model, fp32, {args.requests} prompts of {args.min_history}..{args.max_history} "
+        f"whole L4 run: {args.model or 'embedded model'}, fp32, {args.requests} prompts of {args.min_history}..{args.max_history} "
         f"tokens, {args.new_tokens} new tokens each, S={args.block_size}, median of {args.engine_rounds} "
         "alternating rounds: identical tokens", [c.replace(" ms", " s") for c in columns(list(t), "run")],
         [["L4 generate_batch", *ratios(t, scale=1)]]))
@@ -233,6 +236,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-scaling", action="store_true",
                    help="also time the C++ kernel at 1 and 2 threads on every case, and print the ratio")
     p.add_argument("--engine", action="store_true", help="also time a whole L4 run on the embedded model")
+    p.add_argument("--model", help="the --engine run's model: a checkpoint directory or a named model such as "
+                   "smollm2 (default: the embedded model)")
     p.add_argument("--new-tokens", type=int, default=16, help="new tokens per request in the --engine run")
     p.add_argument("--engine-rounds", type=int, default=3)
     return p

@@ -30,7 +30,7 @@ import harness  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402
 from roofline import Rates, best_seconds, linear_shapes  # noqa: E402
 from lessons.l4_continuous import L4Engine  # noqa: E402
-from shared.cli import OneLineParser, resolve_dtype  # noqa: E402
+from shared.cli import OneLineParser, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
@@ -103,7 +103,8 @@ def matmul_floor(model: Qwen3ForCausalLM, rows: list[int]) -> Table:
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="profile_l4.py", description=__doc__)
-    p.add_argument("--model", default="bench", choices=("tiny", "bench"))
+    p.add_argument("--model", default="bench",
+                   help="tiny (embedded), bench (the bench shape), a named model such as smollm2, or a directory")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1)
@@ -121,7 +122,8 @@ def main() -> None:
             raise CourseError(f"--requests {args.requests} / --threads {args.threads}: both must be at least 1")
         torch.set_num_threads(args.threads)
         dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-        path = default_model_dir() if args.model == "tiny" else bench_shape_dir()
+        shapes = {"tiny": default_model_dir, "bench": bench_shape_dir}
+        path = shapes[args.model]() if args.model in shapes else resolve_model_dir(args.model, default_model_dir)
         model = Qwen3ForCausalLM.from_dir(path, dtype, torch.device("cpu"))
         jobs = bs.make_workload(args.requests, (32, 512), (16, 128), model.config.vocab_size, args.seed)
         engine = L4Engine(model, 16, 512, 64, args.backend)
