@@ -8,8 +8,7 @@
   the one it gets with no constrained neighbour.
 - Rows without a grammar pay nothing (a step with none never builds a mask); a grammar compiled for another
   vocabulary is refused at add_request with the engine unchanged; int8 pages (L12) still give valid outputs.
-  (No two-rank test here: a 2-rank group costs about 7 s to start and stop before any work, and L13TpEngine
-  adds no code of its own to L13Engine and L12TpEngine, whose tests run two ranks.)
+- Two ranks (L13TpEngine): the masks live on rank 0 and the outputs equal one rank's.
 The interactions (chunked prefill, forks, preemption, speculation, stop ids, length) are in
 tests/test_l13_interactions.py.
 """
@@ -275,3 +274,38 @@ def test_int8_pages_give_valid_outputs(tiny_model, tokenizer, grammars, prompt_i
     drain(engine)
     for name, seq in cases:
         assert_valid(tokenizer, SPECS[name], seq.output_ids, eos)
+
+
+def test_tp2_masks_on_rank_0_give_one_ranks_outputs(tiny_model, tiny_dir, tokenizer, grammars, prompt_ids):
+    """L13TpEngine on two ranks: the masks and matchers live on rank 0, the followers only compute. Greedy and
+    seeded requests under four grammars, with an unconstrained one beside them: every output equals one rank's
+    L13Engine on the same requests, and every constrained one validates."""
+    from lessons.l10_tensor_parallel.launch import start
+    from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM
+    from lessons.l13_structured import L13TpEngine
+
+    eos = eos_of(tiny_model)
+    stop = StopRule(48, eos)
+    names = ["nested", "person", "code", "choice"]
+
+    def workload(engine) -> list[list[int]]:
+        seqs = [engine.add_request(prompt_ids[i % 3], stop, ConstrainedSampling(grammar=grammars[name]))
+                for i, name in enumerate(names)]
+        seqs.append(engine.add_request(prompt_ids[1], stop, ConstrainedSampling(
+            temperature=1.0, top_k=50, seed=7, grammar=grammars["person"])))
+        seqs.append(engine.add_request(prompt_ids[0], stop))  # no grammar
+        drain(engine)
+        return [s.output_ids for s in seqs]
+
+    want = workload(L13Engine(tiny_model, 16))
+    group = start(2, torch.device("cpu"), 60)
+    try:
+        tp = L13TpEngine(TpQwen3ForCausalLM.load(tiny_dir, torch.float32, group), 16)
+        reduces = group.calls["all-reduce"]
+        got = workload(tp)
+        assert group.calls["all-reduce"] > reduces, "the ranks computed the workload together"
+    finally:
+        group.close()
+    assert got == want
+    for name, output in zip(names + ["person"], got):
+        assert_valid(tokenizer, SPECS[name], output, eos)
