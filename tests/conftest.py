@@ -1,6 +1,7 @@
 """Fixtures every lesson's tests share: the embedded model, our loaded copy, and HF's reference."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from shared.tiny_qwen3 import default_model_dir, write_tokenizer
 from shared.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest -n the workers share the cores: each runs torch on one thread, and so do the smokes, servers
+    # and ranks it starts (they inherit the variable). No check depends on it: each compares within its own run.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # Prompts of different lengths; the last spans many 16-token blocks.
 PROMPTS = [

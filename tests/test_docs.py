@@ -7,6 +7,10 @@ without its folder); a path with `*` or a `<placeholder>` in it must match at le
 An embedded picture must exist too. tests/test_doc_claims.py checks the commands the docs show.
 """
 import re
+import shlex
+import subprocess
+import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -69,15 +73,110 @@ def test_embedded_images_exist(doc):
 
 
 LESSONS = sorted(p for p in (ROOT / "docs").glob("l*_*.md") if not p.stem.endswith("_appendix"))
-MAIN_PATH_WORDS = 4500  # about what one sitting holds; measurement logs and reference detail go to an appendix
+MAIN_PATH_WORDS = 3000  # one sitting; how the big engines do it, full tables and load caveats go to an appendix
+READING_WORDS_PER_MINUTE = 200  # technical prose read with the code beside it
+CARD = ("**Goal:**", "**Builds on:**", "**Files:**", "**Tests:**", "**Reading time:**")
+TESTS_FIELD = re.compile(r"\*\*Tests:\*\* `python -m pytest -q ([^`]+)`: ([\d,]+) tests?, about ([^.]+?) on ")
+READING_FIELD = re.compile(r"\*\*Reading time:\*\* about (\d+) minutes? \(([\d,]+) words")
+
+
+def card(doc: Path) -> str:
+    """The lines between the title and the first section."""
+    text = doc.read_text()
+    start = text.index("\n") + 1
+    return text[start:text.index("\n## ", start)]
 
 
 @pytest.mark.parametrize("doc", LESSONS, ids=lambda p: p.name)
 def test_a_lesson_reads_in_one_sitting(doc):
-    """A lesson's main path stays near 4,000 words; `docs/lN_<name>_appendix.md` holds what it links to."""
+    """A lesson's main path is at most 3,000 words; `docs/lN_<name>_appendix.md` holds what it links to."""
     words = len(doc.read_text().split())
-    assert words <= MAIN_PATH_WORDS, (f"{doc.name} has {words} words (at most {MAIN_PATH_WORDS}): move measurement "
-                                      f"logs and reference detail to docs/{doc.stem}_appendix.md and link it")
+    assert words <= MAIN_PATH_WORDS, (f"{doc.name} has {words} words (at most {MAIN_PATH_WORDS}): move how the big "
+                                      f"engines do it, full tables and load caveats to docs/{doc.stem}_appendix.md")
     appendix = doc.with_name(f"{doc.stem}_appendix.md")
     if appendix.exists():
         assert appendix.name in doc.read_text(), f"{doc.name} does not link its appendix {appendix.name}"
+
+
+@pytest.mark.parametrize("doc", LESSONS, ids=lambda p: p.name)
+def test_a_lesson_opens_with_its_card(doc):
+    """Goal, builds on, files, the test command with its count and time, and the reading time, in that order,
+    each at a line's start before the first section; the reading time fits the doc's words."""
+    head = card(doc)
+    at = [next((m.start() for m in re.finditer(re.escape(field), head) if m.start() == 0 or head[m.start() - 1] == "\n"),
+               -1) for field in CARD]
+    assert -1 not in at, f"{doc.name}'s card lacks {CARD[at.index(-1)]} at a line's start"
+    assert at == sorted(at), f"{doc.name}'s card fields are out of order: {' '.join(CARD)}"
+    flat = " ".join(head.split())
+    assert TESTS_FIELD.search(flat), (f"{doc.name}: the card's tests read '**Tests:** `python -m pytest -q FILES`: N "
+                                      "tests, about TIME on <machine>'")
+    reading = READING_FIELD.search(flat)
+    assert reading, f"{doc.name}: the card's reading time reads '**Reading time:** about M minutes (W words'"
+    words, stated = len(doc.read_text().split()), int(reading.group(2).replace(",", ""))
+    assert abs(stated - words) <= 150, f"{doc.name}: the card says {stated} words, the doc has {words}"
+    minutes = int(reading.group(1))
+    assert abs(minutes - words / READING_WORDS_PER_MINUTE) <= 1, (
+        f"{doc.name}: {words} words at {READING_WORDS_PER_MINUTE} a minute is about "
+        f"{round(words / READING_WORDS_PER_MINUTE)} minutes, not {minutes}")
+
+
+def card_files(command: str) -> list[str]:
+    """The test files a card's command names (its arguments are paths or globs)."""
+    return sorted({str(p.relative_to(ROOT)) for arg in shlex.split(command) for p in ROOT.glob(arg)})
+
+
+@lru_cache(maxsize=1)
+def collected_per_file() -> dict[str, int]:
+    """Tests per file, for every file a lesson card names, from one `pytest --collect-only` run."""
+    commands = [m.group(1) for doc in LESSONS if (m := TESTS_FIELD.search(" ".join(card(doc).split())))]
+    files = sorted({f for command in commands for f in card_files(command)})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
+    per_file: dict[str, int] = {}
+    for line in out.splitlines():
+        if "::" in line:
+            name = line.split("::")[0]
+            per_file[name] = per_file.get(name, 0) + 1
+    return per_file
+
+
+@pytest.mark.parametrize("doc", LESSONS, ids=lambda p: p.name)
+def test_a_lesson_cards_test_count_is_what_pytest_collects(doc):
+    fields = TESTS_FIELD.search(" ".join(card(doc).split()))
+    assert fields, f"{doc.name} has no test command in its card"
+    command, stated = fields.group(1), int(fields.group(2).replace(",", ""))
+    got = sum(collected_per_file().get(f, 0) for f in card_files(command))
+    assert got == stated, f"{doc.name}: `python -m pytest -q {command}` collects {got} tests; the card says {stated}"
+
+
+@pytest.mark.parametrize("doc", LESSONS, ids=lambda p: p.name)
+def test_a_lesson_ends_with_its_smoke_and_next(doc):
+    """The last section is the smoke, with its expected output; the last paragraph says what comes next."""
+    text = doc.read_text()
+    last = text[text.rindex("\n## ") + 1:]
+    assert last.startswith("## The smoke"), f"{doc.name}'s last section is {last.splitlines()[0]!r}, not '## The smoke'"
+    assert "<!-- output" in last, f"{doc.name}'s smoke section shows no expected output (an <!-- output --> block)"
+    paragraphs = [p for p in last.strip().split("\n\n") if p.strip()]
+    assert paragraphs[-1].startswith("**Next:**"), f"{doc.name} does not end with a **Next:** paragraph"
+
+
+LINK = re.compile(r"\]\(([\w./-]*\.md)?#([\w-]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_section_links_land_on_a_heading(doc):
+    """`[text](other.md#section)` and `[text](#section)`: the section exists (a moved section breaks no link)."""
+    broken = []
+    for target, anchor in LINK.findall(doc.read_text()):
+        path = (doc.parent / target) if target else doc
+        if not path.exists():
+            continue  # test_named_paths_exist's business
+        anchors = {slug(line.lstrip("#")) for line in path.read_text().splitlines() if line.startswith("#")}
+        if anchor not in anchors:
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{doc.name} links to sections that do not exist: {broken}"
