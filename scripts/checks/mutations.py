@@ -282,7 +282,7 @@ MUTATIONS: list[Mutation] = [
              L7R, "self.padded_rows + size - n", "self.padded_rows + (size > n)", L7_USER_SIZES),
     Mutation("l7-real-rows-padded", "graph stats", "real_rows counts the padded size, padding included",
              L7R, "self.real_rows + n,", "self.real_rows + size,", L7_USER_SIZES),
-    # --- the oracle itself (docs/README.md tells this bug's story) ---
+    # --- the oracle itself (docs/maintainers.md tells this bug's story) ---
     Mutation("hf-no-mask", "HF reference", "HF generate called without an attention mask: it guesses one from "
              "pad_token_id 0, and token 0 is '!', so a prompt ending in '!' loses its last token",
              "shared/hf_reference.py", "            attention_mask=torch.ones_like(ids),\n", "",

@@ -7,7 +7,7 @@ Lessons are found as scripts/l<N>_smoke.py, so a new lesson joins the grid by ex
 smoke run with --json, judged from its exit status and JSON (see `classify`):
 PASS every engine's tokens equal HF's; TIE the smoke exits 0 and every difference is a half-precision
 numerical tie (our token is HF's runner-up within the dtype's rounding, or HF's own fp32 run picks it; after
-the first tie HF scores our own tokens, so every later position is judged too, see docs/README.md); FAIL a
+the first tie HF scores our own tokens, so every later position is judged too, see docs/maintainers.md); FAIL a
 real mismatch or a failed lesson-specific check; ERROR no complete verdict (crash, bad option, timeout, no
 JSON, or a passing verdict that did not judge every token). A lesson whose smoke has no --block-size runs
 once per dtype and prompt set. The summary counts the positions judged against the tokens generated.
