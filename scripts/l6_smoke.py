@@ -67,7 +67,7 @@ def sharing_report(model, setup, args):
 def parallel_check(model, setup, args) -> tuple[bool, str]:
     """Each prompt's n samples in an engine of their own: a hit on K/V another prompt's prefill computed
     differs from a fresh prefill in the last bits (different matmul shapes), which greedy absorbs but a
-    sampled draw over 151k near-flat probabilities may not (docs/l6_prefix_sharing.md, pitfalls)."""
+    sampled draw over 151k near-flat probabilities may not (docs/l6_prefix_sharing_appendix.md, more pitfalls)."""
     sampling = SamplingParams(args.temperature, seed=args.seed)
     bad, copies, prefilled = [], 0, 0
     for p, ids in enumerate(setup.prompt_ids):

@@ -120,7 +120,7 @@ def test_held_out_shapes(other_checkpoints, prompt_ids, name):
     disagreement on each side, interval [-1.29, +1.12]). HF's init gives near-uniform distributions (every KL about 1e-6, rounding-sized); their p99.9,
     compared as two numbers, used to flip either way here (it is the largest value or two). At 1,021 positions
     `l12_smoke.py --model` judges the p99 too; gqa4_d128's is unresolved there ([0.81, 1.32] against the 1.25x
-    margin) and holds at 3,661 (--quality-new-tokens 400: [0.83, 1.06]), as docs/l12_kv_quant.md records."""
+    margin) and holds at 3,661 (--quality-new-tokens 400: [0.83, 1.06]), as docs/l12_kv_quant_appendix.md records."""
     model_dir = other_checkpoints[name]
     fp32 = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, CPU)
     bf16 = Qwen3ForCausalLM.from_dir(model_dir, torch.bfloat16, CPU)
