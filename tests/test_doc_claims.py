@@ -49,7 +49,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 SEPARATORS = {"&&", "||", ";", "|", "&"}
-VALUED_OPTIONS = {"-m", "-p", "-c", "-o", "--tb", "--maxfail", "--durations", "--ignore", "--deselect", "--rootdir"}
+VALUED_OPTIONS = {"-m", "-n", "--numprocesses", "--dist", "-p", "-c", "-o", "--tb", "--maxfail", "--durations", "--ignore", "--deselect", "--rootdir"}
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 SCRIPT = re.compile(r"(?<![\w/.-])scripts/[\w/]+\.py")
 NODE_REF = re.compile(r"(?<![\w/.-])((?:tests|scripts|shared|lessons)/[\w/.-]+\.py)::([\w.:]+)")
@@ -396,6 +396,7 @@ def run_doc_command(command: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
+@pytest.mark.slow  # every command the docs show, run again: CI runs these right after the README's command
 @pytest.mark.parametrize("block", ALL_OUTPUT_BLOCKS, ids=lambda b: f"{_name(b.doc)}:{b.line}")
 def test_output_block_is_what_the_command_prints(block):
     from shared.tiny_qwen3 import cache_root

@@ -94,6 +94,7 @@ def _printed(command: str, mutation: str | None) -> str:
     return run.stdout + run.stderr
 
 
+@pytest.mark.slow  # every command behind a number in the docs, run again (some with a bug planted)
 @pytest.mark.parametrize("doc, mutation, command, body", ALL_REGIONS,
                          ids=[f"{d.relative_to(ROOT)}:{m or ''}:{c}" for d, m, c, _ in ALL_REGIONS])
 def test_numbers_in_prose_are_printed_by_their_command(doc, mutation, command, body):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
 import harness  # noqa: E402
@@ -17,6 +19,7 @@ SCRIPT = ROOT / "scripts" / "benchmark" / "l10_bench.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
+@pytest.mark.slow  # the benchmark itself, on the tiny model
 def test_a_tiny_run_prints_its_conditions_alternates_and_keeps_parity(tmp_path):
     out, png = tmp_path / "l10.json", tmp_path / "l10.png"
     run = subprocess.run([sys.executable, str(SCRIPT), "--requests", "2", "--prompt-len", "20", "40", "--new-tokens",

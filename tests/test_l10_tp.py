@@ -205,6 +205,7 @@ def run(args: list[str], timeout: float = SCRIPT_TIMEOUT) -> subprocess.Complete
                           timeout=timeout)
 
 
+@pytest.mark.slow  # four ranks and HF, in processes of their own
 def test_smoke_tp4_replicates_kv_heads_and_matches():
     p = run(["scripts/l10_smoke.py", "--tp", "4", "--max-new-tokens", "6", "--json"])
     assert p.returncode == 0, p.stderr[-2000:]

@@ -29,6 +29,7 @@ def test_the_copy_tasks_copy_from_their_prompt():
         assert sum(p in t for t in tasks) == 2 and sum(f in t for t in tasks) == 1
 
 
+@pytest.mark.slow  # the benchmark itself, on the tiny model
 def test_a_small_run_checks_parity_and_reports_every_system(tiny_dir, tmp_path):
     out = tmp_path / "rows.json"
     p = run("--model", str(tiny_dir), "--prompts", "chat", "--batches", "1,4", "--max-new-tokens", "6",

@@ -158,6 +158,7 @@ def kill_session(sid: int) -> None:
             pass  # a process that has already gone
 
 
+@pytest.mark.slow  # a real kernel build, killed, then another
 @needs_kernel
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the build's processes in /proc")
 def test_a_killed_build_does_not_block_the_next(tmp_path):

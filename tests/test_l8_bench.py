@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
 import harness  # noqa: E402
@@ -17,6 +19,7 @@ SCRIPT = ROOT / "scripts" / "benchmark" / "l8_bench.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
+@pytest.mark.slow  # the benchmark itself, on the tiny model
 def test_a_tiny_sweep_prints_its_conditions_and_keeps_parity(tmp_path):
     out = tmp_path / "l8.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--budgets", "8,64", "--shorts", "2", "--longs", "1",
