@@ -46,6 +46,7 @@ def test_a_tiny_curve_reports_every_cell(tmp_path):
         assert abs(r["x_q1"] - r["ms"] / base["ms"]) < 1e-9 and r["ms"] > 0
         assert r["free"] == (r["q"] > 1 and r["x_q1"] < report["free"])
     assert [(r["rows"], r["shape"]) for r in report["lm_head"]] == [(m, [151936, 128]) for m in (1, 2, 3)]
+    assert all(r["ms"] > 0 and r["ms_w_xt"] > 0 for r in report["lm_head"])
     assert "tiny, batch 1 (q = 1:" in run.stdout and "tiny, batch 2 (q = 1:" in run.stdout
     assert "x q=1" in run.stdout and "K=2" in run.stdout
 

@@ -25,7 +25,8 @@ perf_counter around runner.forward only (building the slices is host work the en
 Then (unless --no-matmul) each model's LM head alone, [vocab, hidden] times M rows for M in --queries: the
 largest matmul of a verify step, to show what the CPU's matmul kernel does with a few rows (it need not
 cost the same at M = 2 as at M = 1: a weight-bound kernel would, one that reads the weights once per row
-would not).
+would not), and the same product computed as W @ x.T, the weight as the left operand (the kernel chosen
+for a few rows, not the arithmetic, can set the price).
 
 `speedup`: L11's engine with a drafter against the same engine without one (drafter=None, exactly L9's), in
 one process, fp32, one thread, graphs on as the engine's default (plain decode steps take L7's static-buffer
@@ -165,16 +166,21 @@ def matmul_rows(name: str, rows_asked: list[int], args) -> list[dict]:
     model = Qwen3ForCausalLM.from_dir(MODELS[name](), torch.float32, torch.device("cpu"))
     weight = model.lm_head.weight
     xs = {m: torch.randn(m, weight.shape[1]) for m in rows_asked}
-    times: dict[int, list[float]] = {m: [] for m in rows_asked}
+    # The same product two ways: linear (x @ W.T, what the model runs) and W @ x.T (the weight as the left
+    # operand), to show how much of a few rows' cost is the CPU kernel's choice rather than the arithmetic.
+    forms = {"linear": lambda x: torch.nn.functional.linear(x, weight), "w_xt": lambda x: torch.mm(weight, x.t())}
+    cells = [(m, form) for m in rows_asked for form in forms]
+    times: dict[tuple[int, str], list[float]] = {c: [] for c in cells}
     with torch.inference_mode():
-        for r, m in harness.alternate(rows_asked, args.warmup + args.rounds):
+        for r, (m, form) in harness.alternate(cells, args.warmup + args.rounds):
             t0 = time.perf_counter()
-            torch.nn.functional.linear(xs[m], weight)
+            forms[form](xs[m])
             if r >= args.warmup:
-                times[m].append(time.perf_counter() - t0)
-    ms = {m: 1e3 * harness.percentiles(times[m], (50,))["p50"] for m in rows_asked}
-    return [{"model": name, "shape": list(weight.shape), "rows": m, "ms": ms[m], "x_m1": ms[m] / ms[rows_asked[0]]}
-            for m in rows_asked]
+                times[(m, form)].append(time.perf_counter() - t0)
+    ms = {c: 1e3 * harness.percentiles(times[c], (50,))["p50"] for c in cells}
+    one = ms[(rows_asked[0], "linear")]
+    return [{"model": name, "shape": list(weight.shape), "rows": m, "ms": ms[(m, "linear")],
+             "x_m1": ms[(m, "linear")] / one, "ms_w_xt": ms[(m, "w_xt")]} for m in rows_asked]
 
 
 def plot(rows: list[dict], path: str, conditions: harness.Conditions, console: Console) -> None:
@@ -220,9 +226,10 @@ def curve(args) -> None:
     if mm:
         console.print(harness.table(
             f"the LM head alone: torch.nn.functional.linear of M rows by its vocab x hidden weight (median of "
-            f"{args.rounds} rounds)", ("model", "weight", "M rows", "ms", "x M=1"),
-            [[r["model"], " x ".join(map(str, r["shape"])), str(r["rows"]), f"{r['ms']:.2f}", f"{r['x_m1']:.2f}x"]
-             for r in mm]))
+            f"{args.rounds} rounds); the same product as W @ x.T beside it", ("model", "weight", "M rows", "ms",
+                                                                              "x M=1", "W @ x.T ms"),
+            [[r["model"], " x ".join(map(str, r["shape"])), str(r["rows"]), f"{r['ms']:.2f}", f"{r['x_m1']:.2f}x",
+              f"{r['ms_w_xt']:.2f}"] for r in mm]))
     harness.finish(conditions, console)
     if args.json:
         harness.write_json(args.json, {"rows": rows, "free": args.free, "lm_head": mm}, conditions, console)
