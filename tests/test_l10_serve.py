@@ -19,6 +19,9 @@ from shared.server_process import ServerProcess
 from shared.config import Qwen3Config
 from shared.generation import StopRule
 
+# Slow (servers on two ranks, a follower killed and one left idle past its timeout).
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 120
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Hello, world!"]
 

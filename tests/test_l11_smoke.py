@@ -135,6 +135,7 @@ def test_an_early_exit_draft_keeps_parity(capsys):
     assert counts(result["extra_check"]["message"])["drafted"] > 0
 
 
+@pytest.mark.slow  # rank 1 spawned, HF and L9 beside it
 def test_tp2_speculates_on_the_split_model():
     """Its own process (rank 1 is spawned from it): the target drafting for itself on 2 ranks matches HF and L9."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -35,6 +35,9 @@ from lessons.l12_kv_quant.runner import quantized
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
 
+# Slow (the quality contract teacher-forced over about a thousand positions, five checkpoints).
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 BLOCK = 16
 EMBEDDED_NEW = 225  # 4 prompts (111 tokens) + 4 x 225 = 1,011 positions

@@ -39,6 +39,7 @@ def run_smoke(argv: list[str], monkeypatch, capsys, grammar_compiler) -> tuple[i
     return exit_status.value.code, out, err
 
 
+@pytest.mark.slow  # the engine, HF with the grammar and a live server, every grammar
 def test_one_prompt_runs_every_grammar_equal_to_hf_and_the_server_and_valid(monkeypatch, capsys, grammar_compiler):
     """A --json run with one prompt: CI's smoke loop has just made the no-argument run (exit 0 checked there)."""
     code, out, err = run_smoke(["--json", "--prompt", PROMPT], monkeypatch, capsys, grammar_compiler)

@@ -30,6 +30,9 @@ from lessons.l9_server.protocol import ApiError
 from test_l9_units import (TIMEOUT, completion, events_until_end, make_loop, record_sequences, run_async,  # noqa: F401
                            token_bytes)
 
+# Slow (real servers sent SIGTERM and left past their grace period).
+pytestmark = pytest.mark.slow
+
 # --- the engine thread failing -----------------------------------------------------------------------------
 
 
