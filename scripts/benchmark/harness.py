@@ -233,3 +233,19 @@ def planned(args, env: dict[str, str], measured_device: str) -> dict[str, str]:
     if threads is not None:
         out["threads"] = str(threads)
     return out
+
+
+def chat_checkpoint(model: str | None):
+    """(checkpoint directory, its HF tokenizer with the chat template) for a benchmark whose requests are chats;
+    CourseError when the model is unknown or has no template (the caller reports it in one line)."""
+    from transformers import AutoTokenizer
+
+    from shared.cli import resolve_model_dir
+    from shared.errors import CourseError
+    from shared.tiny_qwen3 import default_model_dir
+
+    model_dir = resolve_model_dir(model, default_model_dir)
+    template = AutoTokenizer.from_pretrained(str(model_dir))
+    if not template.chat_template:
+        raise CourseError(f"{model_dir} has no chat template: the requests are chats")
+    return model_dir, template

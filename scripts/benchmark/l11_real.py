@@ -41,11 +41,10 @@ from lessons.l11_speculative import L11Engine  # noqa: E402
 from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
 from lessons.l11_speculative.early_exit import early_exit  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
-from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
-from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
 BLOCK = 16
@@ -251,12 +250,7 @@ def main() -> int:
                 f"{args.rounds}")
     console = Console(highlight=False, soft_wrap=True)
     try:
-        model_dir = resolve_model_dir(args.model, default_model_dir)
-        from transformers import AutoTokenizer
-
-        template = AutoTokenizer.from_pretrained(str(model_dir))
-        if not template.chat_template:
-            raise CourseError(f"{model_dir} has no chat template: the requests are chats")
+        model_dir, template = harness.chat_checkpoint(args.model)
         model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
         early_exit(model, args.draft_layers)  # a bad --draft-layers fails here, in one line
     except CourseError as e:

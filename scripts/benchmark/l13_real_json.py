@@ -28,11 +28,10 @@ import harness  # noqa: E402
 from lessons.l13_structured import L13Engine  # noqa: E402
 from lessons.l13_structured.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from lessons.l13_structured.sampling import ConstrainedSampling  # noqa: E402
-from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
-from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
@@ -112,12 +111,7 @@ def main() -> int:
         p.error(f"--n and --rounds must be at least 1, got {args.n} and {args.rounds}")
     console = Console(highlight=False, soft_wrap=True)
     try:
-        model_dir = resolve_model_dir(args.model, default_model_dir)
-        from transformers import AutoTokenizer
-
-        template = AutoTokenizer.from_pretrained(str(model_dir))
-        if not template.chat_template:
-            raise CourseError(f"{model_dir} has no chat template: the requests are chats")
+        model_dir, template = harness.chat_checkpoint(args.model)
     except CourseError as e:
         p.error(str(e))
     conditions = harness.start("cpu", torch.float32)
