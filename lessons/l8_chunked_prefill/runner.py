@@ -6,9 +6,8 @@ and its output would be thrown away. And a step may replay a captured graph only
 decode that samples; a step holding any prompt slice, even a one-token one, runs eagerly, so the graphs
 keep the shapes (and the meaning) they were captured with.
 
-A decode slice gets a logits row for every token it feeds. Here that is one row (a decode feeds one
-token); L11's verify slices feed a decode's token plus its drafts, and each of those rows is a guess to
-check. The rule reads only the slice's own numbers, so every rank of L10 applies it the same way.
+The rule reads only the slice's own numbers, so every rank of L10 applies it the same way. The block between
+`# >>> L11` and `# <<< L11` is L11's (a decode slice that feeds drafts gets a row for each); reading L8, skip it.
 """
 from __future__ import annotations
 
@@ -42,9 +41,15 @@ class ChunkedRunner(GraphRunner):
 
 
 def scored_rows(slices: list[Request], meta: BatchMeta) -> torch.Tensor:
-    """The rows of the flat stream that get logits, in batch order: a sampling slice's last row, every row of
-    a decode slice (one, until L11 puts drafts behind it)."""
+    """The rows of the flat stream that get logits, in batch order: each sampling slice's last row."""
     starts, ends = meta.qo_indptr[:-1].tolist(), meta.qo_indptr[1:].tolist()
-    rows = [r for s, a, b in zip(slices, starts, ends) if s.samples
-            for r in (range(a, b) if s.decode else (b - 1,))]
+    rows = []
+    for s, a, b in zip(slices, starts, ends):
+        if not s.samples:
+            continue
+        # >>> L11: a verify slice feeds a decode's token plus its drafts, and each row is a guess to check
+        if s.decode:
+            rows.extend(range(a, b - 1))
+        # <<< L11
+        rows.append(b - 1)
     return torch.tensor(rows, dtype=torch.int64, device=meta.last_rows.device)

@@ -21,10 +21,15 @@
 //   output = accumulator / sum, per lane
 //
 // K, V and q are read in their own dtype and widened to fp32 in registers as they are loaded (bf16: a shift),
-// so there is no fp32 copy of a page. int8 pages (L12) carry each row's fp32 scale in the row's last 4 bytes
-// ([N, S, Hkv, D + 4]): a key row's scale multiplies its scores, a value row's its softmax weights, so the
-// rows are widened from int8 and never dequantized into memory either. Work items are independent, so they run in parallel over torch's
+// so there is no fp32 copy of a page. Work items are independent, so they run in parallel over torch's
 // intra-op threads, each thread taking the next item, longest first, until none are left.
+//
+// Blocks between `// >>> L12` and `// <<< L12` are L12's (int8 KV pages), added to this file so one kernel
+// reads both pools; reading L3, skip them: the code outside them is L3's kernel, whole.
+// >>> L12: int8 pages carry each row's fp32 scale in the row's last 4 bytes ([N, S, Hkv, D + 4]): a key
+// row's scale multiplies its scores, a value row's its softmax weights, so the rows are widened from int8
+// and never dequantized into memory either.
+// <<< L12
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -51,7 +56,7 @@ constexpr int64_t kTileRows = 32;
 
 struct Shape {
   int64_t hq, hkv, group, d, s;  // query heads, KV heads, query heads per KV head, head dim, block size
-  int64_t row;                   // elements of one KV head's row in the pool: d, or d + kScaleBytes for int8
+  int64_t row;                   // elements of one KV head's row in the pool: d (L12's rows are longer)
 };
 
 // One work item, as one row of the plan's int64 tensor [items, kItemFields].
@@ -71,9 +76,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef int8_t i8x8 __attribute__((vector_size(8)));
 constexpr int64_t kVec = 8;  // floats in one f32x8
-constexpr int64_t kScaleBytes = sizeof(float);  // an int8 row's scale, stored after its D codes
 
 // Eight values from memory, widened to fp32 in registers: the kernel never copies a page to convert it.
 inline f32x8 load8(const float* p) {
@@ -95,7 +98,11 @@ inline f32x8 load8(const c10::BFloat16* p) {
   return v;
 }
 
-// int8 codes (L12's pages), widened to fp32. On AVX2 two instructions (sign-extend to int32, convert). The
+// >>> L12: int8 codes and their scales
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+constexpr int64_t kScaleBytes = sizeof(float);  // an int8 row's scale, stored after its D codes
+
+// int8 codes, widened to fp32. On AVX2 two instructions (sign-extend to int32, convert). The
 // portable form, one __builtin_convertvector, is what GCC 12 compiles into eight scalar loads and inserts:
 // int8 decode attention then took 2.9x bf16's time (one thread, a 2-core EPYC), so x86 gets the intrinsics.
 inline f32x8 load8(const int8_t* p) {
@@ -110,6 +117,18 @@ inline f32x8 load8(const int8_t* p) {
   return __builtin_convertvector(c, f32x8);
 #endif
 }
+
+// int8 pages: the scales of n rows (`stride` apart), each stored after its row's d codes.
+inline void row_scales(const int8_t* rows, int64_t n, int64_t stride, int64_t d, float* scales) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(scales + t, rows + t * stride + d, sizeof(float));
+}
+
+// x[l * ws + t] *= scales[t] for `lanes` lanes and t < n: a key's scale on its scores, a value's on its weights.
+inline void scale_keys(float* x, int64_t lanes, int64_t ws, const float* scales, int64_t n) {
+  for (int64_t l = 0; l < lanes; ++l)
+    for (int64_t t = 0; t < n; ++t) x[l * ws + t] *= scales[t];
+}
+// <<< L12
 
 template <typename T>  // fp16, fp64: converted one value at a time (rare on a CPU; correct, not fast)
 inline f32x8 load8(const T* p) {
@@ -298,7 +317,9 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t d) {
 // row r, query head j of that head's group; a KV head's lanes are contiguous, so score_page sees one matrix.
 struct Scratch {
   std::vector<float> q, acc, weights, row_max, row_sum;
-  std::vector<float> scales;     // int8 pages: the scales of the current page's rows of one KV head
+  // >>> L12
+  std::vector<float> scales;     // the scales of the current page's rows of one KV head
+  // <<< L12
   std::vector<int64_t> visible;  // per tile row: keys of the current page it may see (0: none)
   int64_t ws;                    // floats per lane in `weights`: S rounded up to whole f32x8s
 
@@ -309,7 +330,9 @@ struct Scratch {
     weights.resize(lanes * ws);
     row_max.resize(lanes);
     row_sum.resize(lanes);
+    // >>> L12
     scales.resize(ws);
+    // <<< L12
     visible.resize(tile_rows);
   }
 };
@@ -326,22 +349,13 @@ void score_head(const float* q, int64_t lanes, const T* k, int64_t n, int64_t st
     score_page<1, 8>(q, lanes, k, n, stride, d, s, ws);
 }
 
-// int8 pages: the scales of n rows (`stride` apart), each stored after its row's d codes.
-inline void row_scales(const int8_t* rows, int64_t n, int64_t stride, int64_t d, float* scales) {
-  for (int64_t t = 0; t < n; ++t) std::memcpy(scales + t, rows + t * stride + d, sizeof(float));
-}
-
-// x[l * ws + t] *= scales[t] for `lanes` lanes and t < n: a key's scale on its scores, a value's on its weights.
-inline void scale_keys(float* x, int64_t lanes, int64_t ws, const float* scales, int64_t n) {
-  for (int64_t l = 0; l < lanes; ++l)
-    for (int64_t t = 0; t < n; ++t) x[l * ws + t] *= scales[t];
-}
-
-// T: q's and the output's dtype; KT: the pool's (T itself, or int8_t for L12's quantized pages).
+// T: q's and the output's dtype; KT: the pool's (T itself in L3).
 template <typename T, typename KT>
 void attend_item(const int64_t* item, const Shape& sh, const T* q, const KT* k_cache, const KT* v_cache,
                  const int32_t* pages, T* out, Scratch& w) {
+  // >>> L12
   constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
+  // <<< L12
   const int64_t kv_begin = item[kChunk] * sh.hkv / item[kChunks];
   const int64_t kv_end = (item[kChunk] + 1) * sh.hkv / item[kChunks];
   const int64_t row_begin = item[kRowBegin], rows = item[kRowEnd] - row_begin, d = sh.d, g = sh.group;
@@ -380,18 +394,22 @@ void attend_item(const int64_t* item, const Shape& sh, const T* q, const KT* k_c
       float* s = &w.weights[lane0 * ws];
       float* acc = &w.acc[lane0 * d];
       score_head(&w.q[lane0 * d], head_lanes, k_cache + head_offset, page_tokens, token_size, d, s, ws);
+      // >>> L12
       if constexpr (kInt8) {  // q . (code x scale) = (q . code) x scale: one multiply per score
         row_scales(k_cache + head_offset, page_tokens, token_size, d, w.scales.data());
         scale_keys(s, head_lanes, ws, w.scales.data(), page_tokens);
       }
+      // <<< L12
       for (int64_t r = 0, lane = 0; r < rows; ++r)
         for (int64_t j = 0; j < g; ++j, ++lane)
           softmax_page(s + lane * ws, w.visible[r], ws, w.row_max[lane0 + lane], w.row_sum[lane0 + lane],
                        acc + lane * d, d);
+      // >>> L12
       if constexpr (kInt8) {  // weight x (code x scale) = (weight x scale) x code; the sums keep the bare weights
         row_scales(v_cache + head_offset, page_tokens, token_size, d, w.scales.data());
         scale_keys(s, head_lanes, ws, w.scales.data(), page_tokens);
       }
+      // <<< L12
       add_weighted(acc, head_lanes, s, ws, v_cache + head_offset, page_tokens, token_size, d);
     }
   }
@@ -466,9 +484,8 @@ at::Tensor plan(const at::Tensor& qo_indptr_in, const at::Tensor& kv_indptr_in, 
   return items;
 }
 
-// q [T, Hq, D]; k_cache, v_cache [N, S, Hkv, D] (this step's K/V already written), or int8 pages
-// [N, S, Hkv, D + 4] whose rows end in their fp32 scale (L12); the step's kv_indptr and
-// kv_indices, and its plan's work items. Returns [T, Hq, D] in q's dtype; softmax and sums in fp32 whatever the
+// q [T, Hq, D]; k_cache, v_cache [N, S, Hkv, D] (this step's K/V already written; L12: or int8 pages
+// [N, S, Hkv, D + 4]); the step's kv_indptr and kv_indices, and its plan's work items. Returns [T, Hq, D] in q's dtype; softmax and sums in fp32 whatever the
 // storage. Checks every shape, that the work items stay inside q and inside their requests' pages, and that
 // every page is a block of the pool: a bad plan or pool is an error, not a read outside memory.
 at::Tensor run_planned(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& kv_indptr_in,
@@ -477,14 +494,20 @@ at::Tensor run_planned(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, con
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [T, Hq, D] and k_cache, v_cache [N, S, Hkv, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
-  const bool int8_pages = k_cache.scalar_type() == at::kChar;  // L12: int8 codes, each row's scale after them
+  bool int8_pages = false;  // set in L12's block
+  // >>> L12
+  int8_pages = k_cache.scalar_type() == at::kChar;  // int8 codes, each row's scale after them
+  // <<< L12
   TORCH_CHECK(int8_pages || q.scalar_type() == k_cache.scalar_type(),
               "q and the pool must share a dtype (or the pool be int8 pages)");
   // Every size is checked before the first division by one: a pool with no KV heads is an error, not a
   // division by zero that kills the process.
   const int64_t hq = q.size(1), hkv = k_cache.size(2), d = q.size(2), s = k_cache.size(1);
   TORCH_CHECK(hkv >= 1 && hq >= 1 && hq % hkv == 0, "Hq (", hq, ") must be a positive multiple of Hkv (", hkv, ")");
-  const int64_t row = int8_pages ? d + kScaleBytes : d;  // a KV head's row in the pool
+  int64_t row = d;  // a KV head's row in the pool
+  // >>> L12
+  if (int8_pages) row = d + kScaleBytes;
+  // <<< L12
   TORCH_CHECK(k_cache.size(3) == row, "head_dim: q has ", d, ", so the pool's rows need ", row, " elements",
               int8_pages ? " (int8 codes and a 4-byte scale)" : "", ", it has ", k_cache.size(3));
   TORCH_CHECK(d >= kVec && d % kVec == 0, "head_dim must be a positive multiple of ", kVec, ", got ", d);
@@ -536,10 +559,10 @@ at::Tensor run_planned(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, con
         }
       });
     };
-    if (int8_pages)
-      attend_all(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
-    else
-      attend_all(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    // >>> L12
+    if (int8_pages) return attend_all(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    // <<< L12
+    attend_all(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
 }
