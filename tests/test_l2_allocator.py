@@ -6,6 +6,7 @@ from lessons.l2_token_flat.request import Request
 from shared.errors import PoolExhausted
 
 
+@pytest.mark.task("L2.1")
 def test_alloc_and_free_round_trip():
     a = BlockAllocator(8)
     got = a.alloc(3)
@@ -15,6 +16,7 @@ def test_alloc_and_free_round_trip():
     assert a.num_free == 8
 
 
+@pytest.mark.task("L2.1")
 def test_freed_blocks_are_reused():
     a = BlockAllocator(4)
     first = a.alloc(4)
@@ -24,6 +26,7 @@ def test_freed_blocks_are_reused():
     assert a.num_free == 0
 
 
+@pytest.mark.task("L2.1")
 def test_exhaustion_names_needed_and_free_and_changes_nothing():
     a = BlockAllocator(5)
     held = a.alloc(3)
@@ -34,6 +37,7 @@ def test_exhaustion_names_needed_and_free_and_changes_nothing():
     assert sorted(held + rest) == list(range(5))
 
 
+@pytest.mark.task("L2.2")
 def test_reserve_failure_leaves_request_and_pool_intact():
     a = BlockAllocator(3)
     req = Request([1] * 10, block_size=4)
@@ -46,6 +50,7 @@ def test_reserve_failure_leaves_request_and_pool_intact():
     assert a.num_free == 3
 
 
+@pytest.mark.task("L2.1")
 def test_double_free_is_caught():
     a = BlockAllocator(2)
     b = a.alloc(1)
@@ -57,6 +62,7 @@ def test_double_free_is_caught():
 
 @pytest.mark.parametrize("bad, error", [([0, 0], "freed twice"), ([-1], "not in this pool"),
                                         ([4], "not in this pool"), ([1, 4], "not in this pool")])
+@pytest.mark.task("L2.1")
 def test_free_rejects_repeats_and_out_of_range_ids_and_changes_nothing(bad, error):
     a = BlockAllocator(4)
     a.alloc(2)  # blocks 0 and 1 held; 2 and 3 free (so -1, read as block 3, looked free before the fix)
@@ -65,6 +71,7 @@ def test_free_rejects_repeats_and_out_of_range_ids_and_changes_nothing(bad, erro
     assert a.num_free == 2 and a.alloc(2) == [2, 3]  # nothing was freed, not even the valid ids
 
 
+@pytest.mark.task("L2.1")
 def test_a_freed_block_is_reused_last():
     a = BlockAllocator(4)
     a.alloc(3)  # 0, 1, 2

@@ -13,16 +13,18 @@ def lengths(s: int) -> list[int]:
     return sorted({1, max(1, s - 1), s, s + 1, 5 * s + 3})
 
 
+@pytest.mark.task("L2.2")
 @pytest.mark.parametrize("s", BLOCK_SIZES)
 def test_reserve_allocates_exactly_ceil_blocks(s):
     for n in lengths(s):
         a = BlockAllocator(64)
         req = Request([0] * n, block_size=s)
         req.reserve(n, a)
-        assert len(req.blocks) == -(-n // s)
+        assert len(req.blocks) == -(-n // s), f"{n} tokens in blocks of {s} need {-(-n // s)} blocks, got {req.blocks}"
         assert a.num_free == 64 - len(req.blocks)
 
 
+@pytest.mark.task("L2.2")
 @pytest.mark.parametrize("s", BLOCK_SIZES)
 def test_reserve_grows_only_when_a_block_fills(s):
     a = BlockAllocator(64)
@@ -37,6 +39,7 @@ def test_reserve_grows_only_when_a_block_fills(s):
     )
 
 
+@pytest.mark.task("L2.3")
 @pytest.mark.parametrize("s", BLOCK_SIZES)
 def test_slots_are_block_times_size_plus_offset(s):
     a = BlockAllocator(64)
@@ -46,12 +49,15 @@ def test_slots_are_block_times_size_plus_offset(s):
         req.reserve(n, a)
         slots = req.slots(0, n)
         for pos, slot in enumerate(slots):
-            assert slot == req.blocks[pos // s] * s + pos % s
+            want = req.blocks[pos // s] * s + pos % s
+            assert slot == want, (f"S={s}, block table {req.blocks}: position {pos} is offset {pos % s} of block "
+                                  f"{req.blocks[pos // s]}, slot {want}; got {slot}")
             assert slot // s in req.blocks
         assert len(set(slots)) == n
         a.free(req.blocks)
 
 
+@pytest.mark.task("L2.4")
 @pytest.mark.parametrize("s", BLOCK_SIZES)
 def test_forward_meta_prefill_then_decode(s):
     a = BlockAllocator(64)

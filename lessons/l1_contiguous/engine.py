@@ -14,6 +14,7 @@ class L1Engine:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
 
+    # Task L1.3: prefill the prompt once, then decode one token a step until the stop rule
     def generate(self, prompt_ids: list[int], stop: StopRule) -> list[int]:
         check_prompt(prompt_ids, stop, self.model.config)
         # The last generated token is never fed back, so the cache needs one row less than the total.

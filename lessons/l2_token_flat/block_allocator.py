@@ -16,6 +16,7 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    # Task L2.1: hand out n free block ids, all or nothing; take them back, checked
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PoolExhausted(needed=n, free=len(self._free), total=self.num_blocks)
@@ -24,6 +25,7 @@ class BlockAllocator:
             self._is_free[b] = False
         return blocks
 
+    # Task L2.1: hand out n free block ids, all or nothing; take them back, checked
     def free(self, blocks: list[int]) -> None:
         # Check everything before touching anything, so a bad call leaves the pool as it was.
         # These are bookkeeping bugs, not bad input: callers only free ids they were given.

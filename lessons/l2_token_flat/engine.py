@@ -46,6 +46,7 @@ class L2Engine:
                 f"{self.block_size} tokens; the pool has {self.allocator.num_blocks}"
             )
 
+    # Task L2.6: L1's loop over the pool: reserve, feed, sample, free every block at the end
     def generate(self, prompt_ids: list[int], stop: StopRule) -> list[int]:
         check_prompt(prompt_ids, stop, self.model.config)
         self.check_fits(prompt_ids, stop)

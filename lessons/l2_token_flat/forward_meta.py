@@ -15,6 +15,7 @@ class ForwardMeta:
     kv_indices: torch.Tensor  # [L] int64: slots of the whole history (new tokens included), position order
     is_prefill: bool
 
+    # Task L2.4: one step's positions [T], slot_mapping [T] and kv_indices [L]
     @classmethod
     def for_step(cls, req: Request, device: torch.device) -> "ForwardMeta":
         """The step that feeds req's tokens num_cached .. num_tokens-1. Blocks must already be reserved."""

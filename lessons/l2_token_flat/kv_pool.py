@@ -14,6 +14,7 @@ class KvPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
+    # Task L2.5: scatter the step's K/V [T, Hkv, D] by slot, gather the history, attend
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         # The three lines that replace L1's slicing: scatter the new K/V, gather the whole history.
         self.k[layer][meta.slot_mapping] = k

@@ -20,13 +20,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    # Task L2.3: position -> pool slot through the block table
     def slot(self, pos: int) -> int:
         return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    # Task L2.3: position -> pool slot through the block table
     def slots(self, start: int, end: int) -> list[int]:
         """Flat pool slots of positions start .. end-1, in position order."""
         return [self.slot(p) for p in range(start, end)]
 
+    # Task L2.2: grow the block table to cover num_tokens, nothing changed on failure
     def reserve(self, num_tokens: int, allocator: BlockAllocator) -> None:
         """Grow the block table to hold `num_tokens` tokens. Raises PoolExhausted with nothing changed."""
         needed = -(-num_tokens // self.block_size) - len(self.blocks)

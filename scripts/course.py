@@ -1,0 +1,203 @@
+"""The build track: implement each lesson's functions yourself, task by task, with tests that say when each is done.
+
+    python scripts/course.py tasks L2                  # the tasks, in order: what, where, which tests
+    python scripts/course.py start L2 --into ~/l2      # a workspace: L1 complete, L2's task functions stubbed
+    python scripts/course.py check L2 [--task 3]       # where you stand; the smoke's parity once all pass
+    python scripts/course.py diff L2 [--task 3]        # your functions beside the reference's
+    python scripts/course.py reset L2 --task 3         # put task 3's stub back
+    python scripts/course.py verify L2                 # maintainers: every task fails stubbed, passes filled in
+
+Tasks are marked in the lessons' own code (`# Task L2.3: ...` above a function) and their tests with
+`@pytest.mark.task("L2.3")`: the reference solution is the lesson itself. See scripts/build_track/.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import textwrap
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from build_track.tasks import Task, TaskError, function_source, lesson_folder, lesson_tasks, lessons  # noqa: E402
+from build_track.workspace import find, restore, run_tests, start, verify  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
+from shared.tiny_qwen3 import cache_root  # noqa: E402
+
+
+def lesson_number(text: str) -> int:
+    match = re.fullmatch(r"[Ll]?(\d+)", text)
+    if not match or int(match.group(1)) not in lessons(ROOT):
+        raise TaskError(f"lesson {text!r}: name one of L{min(lessons(ROOT))}..L{max(lessons(ROOT))}")
+    return int(match.group(1))
+
+
+def pick(tasks: list[Task], number: int | None) -> list[Task]:
+    if number is None:
+        return tasks
+    if not 1 <= number <= len(tasks):
+        raise TaskError(f"--task {number}: L{tasks[0].lesson} has tasks 1..{len(tasks)}")
+    return [tasks[number - 1]]
+
+
+def doc_for(lesson: int) -> str:
+    return f"docs/{lesson_folder(ROOT, lesson).name}.md"
+
+
+def markdown(lesson: int) -> str:
+    """The lesson doc's Tasks section, generated from the markers (tests/test_build_track.py holds the doc to it)."""
+    tasks = lesson_tasks(ROOT, lesson)
+    total = sum(len(t.tests) for t in tasks)
+    below = f"L1..L{lesson - 1} complete" if lesson > 2 else ("L1 complete" if lesson == 2 else "the shared model and harness")
+    intro = (
+        f"`python scripts/course.py start L{lesson} --into DIR` copies the course into DIR ({below}) with "
+        f"L{lesson}'s task functions stubbed: each keeps its signature and docstring (the shapes) and raises "
+        f"`NotImplementedError`. Fill them in, in order, in DIR; `python scripts/course.py check L{lesson}` says "
+        f"where you stand: 0 of {len(tasks)} tasks (0 of {total} tests) before you start, {len(tasks)} of "
+        f"{len(tasks)} after, then the smoke's parity. `check L{lesson} --task K` runs one task's tests, "
+        f"`diff L{lesson}` shows yours beside the reference, `reset L{lesson} --task K` puts a stub back. "
+        f"(This section is generated: `python scripts/course.py tasks L{lesson} --markdown`.)")
+    out = [
+        "## Tasks: build it yourself",
+        "",
+        *textwrap.wrap(intro, 110, break_on_hyphens=False, break_long_words=False),
+        "",
+        "| task | implement | in | tests (0, then all, pass) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in tasks:
+        functions = "<br>".join(f"`{f.qualname.rsplit('.', 1)[0] + '.' if '.' in f.qualname else ''}{f.signature}`"
+                                for f in t.functions)
+        files = "<br>".join(sorted({f"`{f.path.split('/', 2)[2]}`" for f in t.functions}))
+        out.append(f"| {t.number} | {t.title}:<br>{functions} | {files} | {len(t.tests)}: `check L{lesson} --task {t.number}` |")
+    return "\n".join(out) + "\n"
+
+
+def cmd_tasks(args) -> int:
+    lesson = lesson_number(args.lesson)
+    if args.markdown:
+        print(markdown(lesson), end="")
+        return 0
+    for t in lesson_tasks(ROOT, lesson):
+        print(f"task {t.number}: {t.title}")
+        for f in t.functions:
+            print(f"    {f.path}: {f.qualname.rsplit('.', 1)[0] + '.' if '.' in f.qualname else ''}{f.signature}")
+        print(f"    tests: {', '.join(t.tests)}")
+    return 0
+
+
+def cmd_start(args) -> int:
+    lesson = lesson_number(args.lesson)
+    tasks = start(ROOT, lesson, Path(args.into), cache_root())
+    print(f"L{lesson}'s workspace: {Path(args.into).expanduser().resolve()} ({len(tasks)} tasks stubbed)")
+    for t in tasks:
+        print(f"  task {t.number}: {t.title} ({t.names()} in {t.functions[0].path})")
+    print(f"next: edit task 1 there, then `python {Path(__file__).relative_to(ROOT)} check L{lesson}`; "
+          f"the tasks in order: {doc_for(lesson)}, Tasks")
+    return 0
+
+
+def cmd_check(args) -> int:
+    lesson = lesson_number(args.lesson)
+    workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
+    tasks = pick(lesson_tasks(workspace, lesson), args.task)
+    print(f"running L{lesson}'s task tests in {workspace} ...", file=sys.stderr, flush=True)
+    results = run_tests(workspace, lesson, args.task)
+    done, next_task = 0, None
+    for t in tasks:
+        mine = [r for r in results if r.task == t.id]
+        tests = {r.nodeid.split("[")[0] for r in mine}  # a parametrized test counts once: it passes when all do
+        failing = {r.nodeid.split("[")[0] for r in mine if not r.passed}
+        ok = bool(mine) and not failing
+        done += ok
+        if not ok and next_task is None:
+            next_task = (t, next((r for r in mine if not r.passed), None))
+        print(f"  {'PASS' if ok else 'todo'}  task {t.number}: {t.names()}  {len(tests - failing)} of {len(t.tests)} tests")
+    scope = f"task {args.task}" if args.task else f"{done} of {len(tasks)} tasks pass"
+    if next_task:
+        t, failed = next_task
+        print(f"L{lesson}: {scope if args.task is None else scope + ' fails'}; next: task {t.number}, {t.names()} "
+              f"({t.functions[0].path})")
+        if failed is not None:
+            print(f"  {failed.nodeid}")
+            for line in failed.message.splitlines():
+                print(f"    {line}")
+        return 1
+    print(f"L{lesson}: {scope}" + (" passes" if args.task else ""))
+    if args.task is None:
+        smoke = workspace / "scripts" / f"l{lesson}_smoke.py"
+        print(f"running the smoke: python scripts/{smoke.name} ...", file=sys.stderr, flush=True)
+        run = subprocess.run([sys.executable, str(smoke)], cwd=workspace, capture_output=True, text=True, timeout=1800)
+        tail = (run.stdout.strip().splitlines() or [""])[-1]
+        print(f"the smoke (exit {run.returncode}): {tail}")
+        return 0 if run.returncode == 0 else 1
+    return 0
+
+
+def cmd_diff(args) -> int:
+    lesson = lesson_number(args.lesson)
+    workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
+    for t in pick(lesson_tasks(ROOT, lesson), args.task):
+        for f in t.functions:
+            mine = function_source((workspace / f.path).read_text(), f.qualname)
+            reference = function_source((ROOT / f.path).read_text(), f.qualname)
+            lines = list(difflib.unified_diff(mine.splitlines(keepends=True), reference.splitlines(keepends=True),
+                                              f"yours: {f.path}::{f.qualname}", f"reference: {f.path}::{f.qualname}"))
+            print(f"task {t.number}, {f.qualname}: " + ("the same as the reference" if not lines else ""))
+            sys.stdout.writelines(lines)
+    return 0
+
+
+def cmd_reset(args) -> int:
+    lesson = lesson_number(args.lesson)
+    workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
+    tasks = pick(lesson_tasks(ROOT, lesson), args.task)
+    restore(workspace, ROOT, lesson, {t.number for t in tasks})
+    print(f"L{lesson}: the stub of task {', '.join(str(t.number) for t in tasks)} is back in {workspace}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    problems = []
+    for lesson in [lesson_number(x) for x in args.lessons] or lessons(ROOT):
+        found = verify(ROOT, lesson)
+        print(f"L{lesson}: {'holds' if not found else f'{len(found)} problem(s)'}", flush=True)
+        problems += found
+        for p in found:
+            print(f"  {p}")
+    return 1 if problems else 0
+
+
+def main() -> int:
+    p = OneLineParser(prog="course.py", description=__doc__.split("\n")[0],
+                      epilog="the commands' options: start --into DIR; check, diff: --task K, --in DIR; reset --task K "
+                             "[--in DIR]; tasks --markdown. `course.py COMMAND --help` says more.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, helptext in (("tasks", "list a lesson's tasks"), ("start", "make a workspace"),
+                           ("check", "run the task tests in the workspace"), ("diff", "yours beside the reference"),
+                           ("reset", "put stubs back"), ("verify", "maintainers: hold every task to its promise")):
+        s = sub.add_parser(name, help=helptext)
+        if name == "verify":
+            s.add_argument("lessons", nargs="*", help="L2 L3 ... (default: every lesson)")
+            continue
+        s.add_argument("lesson", help="L1 .. L13")
+        if name == "tasks":
+            s.add_argument("--markdown", action="store_true", help="the doc's Tasks section")
+        if name == "start":
+            s.add_argument("--into", required=True, help="a new folder outside the course for your workspace")
+        if name in ("check", "diff", "reset"):
+            s.add_argument("--task", type=int, required=name == "reset", help="one task's number")
+            s.add_argument("--in", dest="workspace", help="the workspace (default: the one you are in, or the last "
+                                                          "one started for the lesson)")
+    args = p.parse_args()
+    try:
+        return globals()[f"cmd_{args.command}"](args)
+    except TaskError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""The build track (scripts/course.py, scripts/build_track/): every lesson has 3 to 8 tasks, each with tests; a stub
+keeps the signature and docstring and raises naming its task; a workspace starts with every task failing, passes
+task by task as the reference bodies go in, and takes a stub back; each lesson doc holds its generated Tasks section.
+The slow test holds every task of every lesson to its promise (`course.py verify`): with tasks 1..k filled in and
+the rest stubbed, the tests of tasks 1..k pass and every later task's fail, for every k.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "scripts")]
+from build_track.tasks import TaskError, function_source, lesson_tasks, lessons, stub_text  # noqa: E402
+from build_track.workspace import start  # noqa: E402
+
+COURSE = [sys.executable, str(ROOT / "scripts" / "course.py")]
+LESSONS = lessons(ROOT)
+
+
+def course(*args: str, cwd: Path = ROOT, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = None
+    if cache is not None:
+        import os
+
+        env = {**os.environ, "PAGED_COURSE_CACHE": str(cache)}
+    return subprocess.run([*COURSE, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda n: f"L{n}")
+def test_every_lesson_has_3_to_8_tasks_each_with_tests(lesson):
+    tasks = lesson_tasks(ROOT, lesson)
+    assert 3 <= len(tasks) <= 8, f"L{lesson} has {len(tasks)} tasks; the build track wants 3 to 8"
+    for t in tasks:
+        assert t.tests, f"{t.id} ({t.names()}) has no test marked @pytest.mark.task({t.id!r})"
+        assert all(f.path.startswith(f"lessons/l{lesson}_") for f in t.functions)
+
+
+def test_a_stub_keeps_marker_signature_and_docstring_and_raises_naming_its_task():
+    text = '''class Pool:
+    # Task L2.1: hand out blocks
+    def alloc(self, n: int) -> list[int]:
+        """Shapes live here."""
+        # a hint that must go
+        return list(range(n))
+
+    def kept(self):
+        return 1
+'''
+    stubbed = stub_text(text)
+    assert "# Task L2.1: hand out blocks" in stubbed and '"""Shapes live here."""' in stubbed
+    assert "a hint" not in stubbed and "return list(range(n))" not in stubbed
+    assert "def kept(self):\n        return 1" in stubbed
+    namespace: dict = {}
+    exec(stubbed, namespace)
+    with pytest.raises(NotImplementedError, match=r"L2 task 1 \(Pool.alloc\): hand out blocks"):
+        namespace["Pool"]().alloc(3)
+    assert function_source(stubbed, "Pool.kept") == "    def kept(self):\n        return 1\n"
+
+
+def test_markers_that_skip_a_number_or_name_another_lesson_are_refused(tmp_path):
+    (tmp_path / "lessons" / "l2_x").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    source = tmp_path / "lessons" / "l2_x" / "a.py"
+    source.write_text("# Task L2.1: one\ndef f():\n    return 1\n\n\n# Task L2.3: three\ndef g():\n    return 3\n")
+    with pytest.raises(TaskError, match=r"numbered \[1, 3\], not 1..2"):
+        lesson_tasks(tmp_path, 2)
+    source.write_text("# Task L3.1: one\ndef f():\n    return 1\n")
+    with pytest.raises(TaskError, match="marked L3.1 in L2's folder"):
+        lesson_tasks(tmp_path, 2)
+
+
+def test_a_workspace_refuses_the_course_itself_and_a_full_folder(tmp_path):
+    with pytest.raises(TaskError, match="inside the course itself"):
+        start(ROOT, 1, ROOT / "docs" / "mine", cache=None)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(TaskError, match="exists and is not empty"):
+        start(ROOT, 1, tmp_path / "full", cache=None)
+
+
+def test_bad_lesson_and_task_are_one_line_exit_2(tmp_path):
+    for args, message in ((["tasks", "L99"], "lesson 'L99': name one of L1..L"),
+                          (["check", "L1", "--in", str(tmp_path)], "is not a course workspace")):
+        run = course(*args, cache=tmp_path / "cache")
+        assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+@pytest.mark.slow
+def test_l2_start_check_fill_in_reset_diff(tmp_path):
+    """The issue's walk-through on L2: every task fails at the start; the reference bodies make them pass one by
+    one; reset puts a stub back; diff shows the difference."""
+    cache, workspace = tmp_path / "cache", tmp_path / "ws"
+    run = course("start", "L2", "--into", str(workspace), cache=cache)
+    assert run.returncode == 0, run.stderr
+    tasks = lesson_tasks(ROOT, 2)
+    run = course("check", "L2", cache=cache)
+    assert run.returncode == 1 and f"L2: 0 of {len(tasks)} tasks pass; next: task 1" in run.stdout, run.stdout
+    assert "not implemented yet: L2 task 1" in run.stdout
+    for t in tasks[:2]:  # fill in tasks 1 and 2 with the reference's bodies
+        for f in t.functions:
+            mine = (workspace / f.path).read_text()
+            reference = function_source((ROOT / f.path).read_text(), f.qualname)
+            (workspace / f.path).write_text(mine.replace(function_source(mine, f.qualname), reference, 1))
+    run = course("check", "L2", "--in", str(workspace), cache=cache)
+    assert f"L2: 2 of {len(tasks)} tasks pass; next: task 3" in run.stdout, run.stdout
+    run = course("diff", "L2", "--task", "1", cache=cache)
+    assert run.returncode == 0 and "the same as the reference" in run.stdout
+    run = course("diff", "L2", "--task", "3", cache=cache)
+    assert "+++ reference" in run.stdout and "raise NotImplementedError" in run.stdout
+    assert course("reset", "L2", "--task", "2", cache=cache).returncode == 0
+    run = course("check", "L2", cache=cache)
+    assert f"L2: 1 of {len(tasks)} tasks pass; next: task 2" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda n: f"L{n}")
+def test_every_task_fails_stubbed_and_passes_filled_in(lesson):
+    run = course("verify", f"L{lesson}")
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda n: f"L{n}")
+def test_each_lesson_doc_holds_its_generated_tasks_section(lesson):
+    from course import markdown
+
+    doc = ROOT / "docs" / f"{next((ROOT / 'lessons').glob(f'l{lesson}_*')).name}.md"
+    text = doc.read_text()
+    section = markdown(lesson)
+    assert section in text, f"{doc.name}: paste `python scripts/course.py tasks L{lesson} --markdown` as its Tasks section"
+    assert text.index(section) < text.rindex("\n## The smoke"), f"{doc.name}: Tasks comes before The smoke"

@@ -1,0 +1,43 @@
+"""L2's build-track tests for the pool's attention and the engine (scripts/course.py check L2); the allocator's, the
+block table's and the step metadata's are in test_l2_allocator.py and test_l2_reserve.py."""
+import pytest
+import torch
+
+from conftest import assert_same_tokens
+from lessons.l2_token_flat import L2Engine
+from lessons.l2_token_flat.forward_meta import ForwardMeta
+from lessons.l2_token_flat.kv_pool import KvPool
+from shared.attention import causal_attention
+from shared.generation import StopRule
+
+
+@pytest.mark.task("L2.5")
+def test_attend_scatters_by_slot_and_gathers_the_history_in_position_order(tiny_model):
+    cfg = tiny_model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pool = KvPool(cfg, 12, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, d, generator=g) for h in (hq, hkv, hkv))
+    slots = [9, 10, 11, 4, 5]  # block table [3, 1] with S = 3: positions 0..4
+    meta = ForwardMeta(torch.arange(4), torch.tensor(slots[:4]), torch.tensor(slots[:4]), True)
+    out = pool.attend(2, q[:4], k[:4], v[:4], meta)
+    for pos, slot in enumerate(slots[:4]):
+        assert torch.equal(pool.k[2][slot], k[pos]), f"position {pos}'s key belongs in slot {slot} (slot_mapping)"
+    assert not pool.k[0].any(), "attend(layer=2, ...) wrote into layer 0"
+    assert torch.allclose(out, causal_attention(q[:4], k[:4], v[:4])), "the prefill's output is not attention over its rows"
+    meta = ForwardMeta(torch.tensor([4]), torch.tensor([5]), torch.tensor(slots), False)
+    out = pool.attend(2, q[4:], k[4:], v[4:], meta)
+    assert torch.equal(pool.v[2][5], v[4]), "the decode's value belongs in slot 5"
+    assert torch.allclose(out, causal_attention(q[4:], k, v), atol=1e-6), (
+        "the decode's output is not attention over slots [9, 10, 11, 4, 5] in that (position) order")
+
+
+@pytest.mark.task("L2.6")
+@pytest.mark.parametrize("block_size", [1, 7])
+def test_generate_matches_hf_and_frees_every_block(tiny_model, hf, prompt_ids, block_size):
+    stop = StopRule(12, ignore_eos=True)
+    engine = L2Engine(tiny_model, block_size=block_size)
+    for i, ids in enumerate(prompt_ids):
+        assert_same_tokens(engine.generate(ids, stop), hf.generate(ids, stop).tokens, f"block size {block_size}, prompt {i}")
+        assert engine.allocator.num_free == engine.allocator.num_blocks, (
+            f"after prompt {i}, {engine.allocator.num_blocks - engine.allocator.num_free} blocks were never freed")
