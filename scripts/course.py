@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-from build_track.tasks import Task, TaskError, function_source, lesson_folder, lesson_tasks, lessons  # noqa: E402
-from build_track.workspace import find, restore, run_tests, start, verify  # noqa: E402
+from build_track.tasks import Task, TaskError, function_source, lesson_tasks, lessons  # noqa: E402
+from build_track.workspace import find, reference_of, restore, run_tests, start, verify  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 from shared.tiny_qwen3 import cache_root  # noqa: E402
 
@@ -42,8 +42,12 @@ def pick(tasks: list[Task], number: int | None) -> list[Task]:
     return [tasks[number - 1]]
 
 
-def doc_for(lesson: int) -> str:
-    return f"docs/{lesson_folder(ROOT, lesson).name}.md"
+def doc_for(lesson: int) -> Path:
+    """docs/lN_<name>.md, the lesson's main doc (its name need not be the folder's: l13_structured_output.md)."""
+    found = [p for p in (ROOT / "docs").glob(f"l{lesson}_*.md") if not p.stem.endswith("_appendix")]
+    if len(found) != 1:
+        raise TaskError(f"L{lesson} has {len(found)} main docs under docs/, not one")
+    return found[0]
 
 
 def markdown(lesson: int) -> str:
@@ -71,7 +75,8 @@ def markdown(lesson: int) -> str:
         functions = "<br>".join(f"`{f.qualname.rsplit('.', 1)[0] + '.' if '.' in f.qualname else ''}{f.signature}`"
                                 for f in t.functions)
         files = "<br>".join(sorted({f"`{f.path.split('/', 2)[2]}`" for f in t.functions}))
-        out.append(f"| {t.number} | {t.title}:<br>{functions} | {files} | {len(t.tests)}: `check L{lesson} --task {t.number}` |")
+        cell = f"{t.title}:<br>{functions}".replace("|", "\\|")  # a cell splits at a bare | even inside backticks
+        out.append(f"| {t.number} | {cell} | {files} | {len(t.tests)}: `check L{lesson} --task {t.number}` |")
     return "\n".join(out) + "\n"
 
 
@@ -95,7 +100,7 @@ def cmd_start(args) -> int:
     for t in tasks:
         print(f"  task {t.number}: {t.title} ({t.names()} in {t.functions[0].path})")
     print(f"next: edit task 1 there, then `python {Path(__file__).relative_to(ROOT)} check L{lesson}`; "
-          f"the tasks in order: {doc_for(lesson)}, Tasks")
+          f"the tasks in order: {doc_for(lesson).relative_to(ROOT)}, Tasks")
     return 0
 
 
@@ -139,10 +144,11 @@ def cmd_check(args) -> int:
 def cmd_diff(args) -> int:
     lesson = lesson_number(args.lesson)
     workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
-    for t in pick(lesson_tasks(ROOT, lesson), args.task):
+    root = reference_of(workspace)
+    for t in pick(lesson_tasks(root, lesson), args.task):
         for f in t.functions:
             mine = function_source((workspace / f.path).read_text(), f.qualname)
-            reference = function_source((ROOT / f.path).read_text(), f.qualname)
+            reference = function_source((root / f.path).read_text(), f.qualname)
             lines = list(difflib.unified_diff(mine.splitlines(keepends=True), reference.splitlines(keepends=True),
                                               f"yours: {f.path}::{f.qualname}", f"reference: {f.path}::{f.qualname}"))
             print(f"task {t.number}, {f.qualname}: " + ("the same as the reference" if not lines else ""))
@@ -153,8 +159,9 @@ def cmd_diff(args) -> int:
 def cmd_reset(args) -> int:
     lesson = lesson_number(args.lesson)
     workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
-    tasks = pick(lesson_tasks(ROOT, lesson), args.task)
-    restore(workspace, ROOT, lesson, {t.number for t in tasks})
+    root = reference_of(workspace)
+    tasks = pick(lesson_tasks(root, lesson), args.task)
+    restore(workspace, root, lesson, {t.number for t in tasks})
     print(f"L{lesson}: the stub of task {', '.join(str(t.number) for t in tasks)} is back in {workspace}")
     return 0
 

@@ -125,9 +125,9 @@ def test_every_task_fails_stubbed_and_passes_filled_in(lesson):
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda n: f"L{n}")
 def test_each_lesson_doc_holds_its_generated_tasks_section(lesson):
-    from course import markdown
+    from course import doc_for, markdown
 
-    doc = ROOT / "docs" / f"{next((ROOT / 'lessons').glob(f'l{lesson}_*')).name}.md"
+    doc = doc_for(lesson)
     text = doc.read_text()
     section = markdown(lesson)
     assert section in text, f"{doc.name}: paste `python scripts/course.py tasks L{lesson} --markdown` as its Tasks section"

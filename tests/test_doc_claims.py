@@ -32,12 +32,14 @@ import ast
 import difflib
 import functools
 import glob
+import hashlib
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,7 +388,28 @@ def doc_run_env() -> dict[str, str]:
 def run_doc_command(command: str) -> subprocess.CompletedProcess:
     """`[VAR=value ...] python scripts/X.py ...` run as doc_run_env says, from the repository root. Memoised per
     session: a command that several output blocks show, or that tests/test_doc_numbers.py also quotes (sizing.py,
-    the smokes, tp 2 included), runs once, and every test judges that one run's exit status and output."""
+    the smokes, tp 2 included), runs once, and every test judges that one run's exit status and output. Under
+    pytest -n the workers share the memo through a folder of this run's own (PYTEST_XDIST_TESTRUNUID), the first
+    to ask running the command while the others wait on its lock."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return _run_doc_command(command)
+    from filelock import FileLock  # transformers' own dependency
+
+    folder = Path(tempfile.gettempdir()) / f"doc-runs-{run_id}"
+    folder.mkdir(exist_ok=True)
+    stored = folder / f"{hashlib.sha256(command.encode()).hexdigest()[:16]}.json"
+    with FileLock(str(stored) + ".lock", timeout=900):  # the holder's command times out at 300 s
+        if stored.exists():
+            saved = json.loads(stored.read_text())
+            return subprocess.CompletedProcess(saved["args"], saved["returncode"], saved["stdout"], saved["stderr"])
+        run = _run_doc_command(command)
+        stored.write_text(json.dumps({"args": run.args, "returncode": run.returncode, "stdout": run.stdout,
+                                      "stderr": run.stderr}))
+        return run
+
+
+def _run_doc_command(command: str) -> subprocess.CompletedProcess:
     words = shlex.split(command)
     env = doc_run_env()  # CUDA hidden: `--device auto` then means the CPU and fp32 on every machine, as docs show
     while words and ENV_ASSIGNMENT.match(words[0]):

@@ -125,6 +125,7 @@ def deliver(sender: FakeDist, monkeypatch) -> tuple:
     return got
 
 
+@pytest.mark.task("L10.5")
 def test_every_kind_of_message_round_trips_as_int64_tensors_without_pickle(monkeypatch, no_pickle):
     slices, copies = a_step()
     messages = [("load", "/models/tiny qwen3 ✓", "float32"),
@@ -195,6 +196,7 @@ def test_a_malformed_message_is_one_runfailure_line(monkeypatch, no_pickle, what
     assert what in msg
 
 
+@pytest.mark.task("L10.5")
 def test_a_header_or_payload_pack_did_not_write_is_malformed_before_any_allocation():
     """wire.py alone: a header of the wrong shape or dtype, a kind or length out of range, a payload that is not
     what its header says (shorter, longer, not int64). Each is Malformed naming it; nothing is sized from it."""
@@ -222,6 +224,7 @@ def test_a_header_or_payload_pack_did_not_write_is_malformed_before_any_allocati
             wire.unpack(header, wrong)
 
 
+@pytest.mark.task("L10.8")
 def test_a_follower_builds_the_runner_class_it_is_sent_and_nothing_else():
     """build_runner names the class (TpRunner.recipe), or a runner_factory and its strings; the follower imports
     only a name defined in a module under lessons. and refuses anything else in one RunFailure line."""

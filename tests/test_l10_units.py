@@ -72,6 +72,7 @@ EMBEDDED = {
 }
 
 
+@pytest.mark.task("L10.1")
 @pytest.mark.parametrize("tp", sorted(EMBEDDED))
 def test_layout_of_the_embedded_model(cfg, tp):
     layouts = [TpLayout.of(cfg, r, tp) for r in range(tp)]
@@ -87,11 +88,13 @@ def test_layout_of_the_embedded_model(cfg, tp):
         assert {q // cfg.gqa_ratio for q in lay.q_heads} == set(lay.kv_heads)
 
 
+@pytest.mark.task("L10.1")
 def test_kv_replication_rank_keeps_head_rank_times_hkv_over_tp(cfg):
     kept = [TpLayout.of(cfg, r, 4).kv_heads for r in range(4)]
     assert kept == [range(r * 2 // 4, r * 2 // 4 + 1) for r in range(4)] == [range(0, 1)] * 2 + [range(1, 2)] * 2
 
 
+@pytest.mark.task("L10.1")
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_layout_of_an_8_kv_head_model(cfg, tp):
     """16 query heads, 8 KV heads: KV heads split up to tp 8, replicated (each kept by two ranks) at tp 16.
@@ -121,6 +124,7 @@ def refusal(c: Qwen3Config, tp: int) -> str:
     return msg
 
 
+@pytest.mark.task("L10.1")
 def test_check_tp_refusals_are_one_line_naming_the_value(cfg):
     assert refusal(cfg, 3) == "--tp 3 does not divide the model's 4 attention heads"
     assert "--tp 8 " in refusal(cfg, 8) and "4 attention heads" in refusal(cfg, 8)
@@ -149,6 +153,7 @@ SPLIT_AT = {
 }
 
 
+@pytest.mark.task("L10.2")
 def test_slice_of_every_checkpoint_tensor(cfg, tiny_dir):
     two, four = TpLayout.of(cfg, 1, 2), TpLayout.of(cfg, 1, 4)
     for pattern, (at2, at4) in SPLIT_AT.items():
@@ -210,6 +215,7 @@ def test_column_parallel_shards_joined_equal_the_full_linear(tp):
     assert torch.equal(torch.cat(outs, dim=-1), full(x))
 
 
+@pytest.mark.task("L10.3")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_row_parallel_partial_sums_add_up_to_the_full_linear(tp):
     torch.manual_seed(0)
@@ -225,6 +231,7 @@ def test_row_parallel_partial_sums_add_up_to_the_full_linear(tp):
     torch.testing.assert_close(sum(partials), full(x), rtol=1e-5, atol=1e-5)  # the same sum, added in another order
 
 
+@pytest.mark.task("L10.3")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_embedding_shards_add_up_exactly(tiny_model, tp):
     full = tiny_model.model.embed_tokens
@@ -247,6 +254,7 @@ def test_vocab_parallel_embedding_shards_add_up_exactly(tiny_model, tp):
     assert torch.equal(sum(g.partials[0] for g in groups), full.weight.data[ids])  # zeros + one real row
 
 
+@pytest.mark.task("L10.3")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_lm_head_shards_joined_equal_the_full_head(tp):
     V, E = 64, 16
@@ -280,6 +288,7 @@ def logits_of(model, ids: list[int]) -> torch.Tensor | None:
         return model.logits(hidden)
 
 
+@pytest.mark.task("L10.4")
 def test_tp1_model_logits_equal_the_whole_models(tiny_model, tiny_dir, prompt_ids):
     model = TpQwen3ForCausalLM.load(tiny_dir, torch.float32, TpGroup(0, 1, CPU))
     assert model.config == model.full_config == tiny_model.config
@@ -355,6 +364,7 @@ def run_ranks(tp: int, fn) -> list:
     return results
 
 
+@pytest.mark.task("L10.4")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_split_model_in_threads_agrees_with_the_whole_model(tiny_model, tiny_dir, prompt_ids, tp):
     """tp 4 replicates the KV heads: rank r must keep the head its query head reads, or its attention output
@@ -393,6 +403,7 @@ def trip(slices: list[SentSlice]) -> list[SentSlice]:
     return got
 
 
+@pytest.mark.task("L10.5")
 def test_sent_slice_sends_only_the_tokens_it_feeds():
     blocks = list(range(100, 420))  # one table for every size below: only the token count varies
     size = {(h, n): pack("run_step", [sent(h, n, blocks)], [])[1].numel() for h in (10, 5000) for n in (1, 5, 500)}
@@ -405,6 +416,7 @@ def test_sent_slice_sends_only_the_tokens_it_feeds():
     assert s.prompt_ids == before, "sending must not cut the sender's own copy"
 
 
+@pytest.mark.task("L10.5")
 @pytest.mark.parametrize("history,new", [(0, 12), (20, 1), (35, 9), (48, 16)])
 def test_sent_slice_round_trip_keeps_what_the_runner_reads(history, new):
     s = sent(history, new)
@@ -431,6 +443,7 @@ class FakePool:
         self.v = [torch.randn(blocks, 4, 2, 3) for _ in range(2)]
 
 
+@pytest.mark.task("L10.7")
 def test_deferred_copy_manager_records_copies_and_leaves_the_pool_alone():
     pool = FakePool(6)
     before = [t.clone() for t in pool.k + pool.v]
@@ -453,6 +466,7 @@ def test_deferred_copy_manager_records_copies_and_leaves_the_pool_alone():
     assert all(torch.equal(t[d], t[c]) for t in pool6.k + pool6.v)
 
 
+@pytest.mark.task("L10.7")
 def test_tp1_engine_forks_seeded_samples_as_l8_does(tiny_model, tiny_dir, prompt_ids):
     """One rank: the deferred copies are made by rank 0's own run_step, before the step that writes into
     the copy. n = 2 on a 5-token prompt in blocks of 4: the children share the partial last block, so the

@@ -56,6 +56,7 @@ def brute_force(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
 # --- the n-gram drafter -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.task("L11.1")
 def test_ngram_proposes_what_followed_the_most_recent_occurrence():
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [5, 1, 2, 7, 1, 2, 8, 9, 1, 2]  # the suffix (1, 2) occurred ending at 2 and at 5: 5 is the latest
@@ -63,6 +64,7 @@ def test_ngram_proposes_what_followed_the_most_recent_occurrence():
     assert ngram(request(tokens), 4, max_n=2) == brute_force(tokens, 4, 2, 2)
 
 
+@pytest.mark.task("L11.1")
 def test_ngram_prefers_the_longest_match():
     tokens = [7, 1, 2, 3, 5, 1, 2, 4, 7, 1, 2]  # (7, 1, 2) only at 0..2; (1, 2) most recently at 5..6
     assert ngram(request(tokens), 3, max_n=3) == [3, 5, 1]
@@ -70,6 +72,7 @@ def test_ngram_prefers_the_longest_match():
     assert ngram(request(tokens), 3, max_n=4, min_n=3) == [3, 5, 1]
 
 
+@pytest.mark.task("L11.1")
 def test_ngram_proposes_nothing_without_a_match():
     assert ngram(request([1, 2, 3, 4, 5, 6]), 4) == []
     assert ngram(request([1, 2, 3, 9, 2, 3, 1, 3]), 4) == []  # 3 recurs, but no 2-gram does
@@ -78,6 +81,7 @@ def test_ngram_proposes_nothing_without_a_match():
     assert ngram(request([4, 4, 4]), 0) == []  # no room for drafts: nothing asked
 
 
+@pytest.mark.task("L11.1")
 def test_ngram_caps_at_k_and_at_the_known_tokens():
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
     for k in range(1, 8):
@@ -87,6 +91,7 @@ def test_ngram_caps_at_k_and_at_the_known_tokens():
     assert ngram(request([9, 1, 2, 1, 2]), 4) == [1, 2]
 
 
+@pytest.mark.task("L11.1")
 def test_ngram_reads_prompt_and_output_as_one_history():
     seq = request([3, 4, 5, 6, 3, 4], num_prompt=3)  # the match is in the prompt, its continuation crosses into output
     assert ngram(seq, 4) == [5, 6, 3, 4]
@@ -94,6 +99,7 @@ def test_ngram_reads_prompt_and_output_as_one_history():
     assert ngram(seq, 4) == [5, 6, 3, 4]
 
 
+@pytest.mark.task("L11.1")
 @pytest.mark.parametrize("max_n,min_n", [(4, 2), (3, 1), (1, 1), (5, 3)])
 def test_ngram_incremental_index_equals_a_brute_force_search(max_n, min_n):
     """Random streams over 3 token ids (so matches of every length are common), each request growing by 1 .. 5
@@ -154,6 +160,7 @@ def drafted(seq: Sequence, blocks: list[int], start: int, fed: list[int]) -> Seq
     return seq
 
 
+@pytest.mark.task("L11.8")
 def test_trusted_stops_at_the_first_rejected_draft():
     trusted = DraftModelDrafter(None).trusted
     seq = request(list(range(100, 114)), num_prompt=6)  # 14 tokens, blocks of 4: 4 blocks
@@ -167,6 +174,7 @@ def test_trusted_stops_at_the_first_rejected_draft():
     assert trusted(drafted(seq, seq.blocks, 12, [112, 113, 5, 6])) == 14
 
 
+@pytest.mark.task("L11.8")
 def test_trusted_stops_at_the_first_block_a_new_table_changed():
     """A table that is a new list (copy-on-write, preemption, a rollback that freed blocks) keeps the draft
     pool's rows only in the blocks both tables still share, from the first block on."""
@@ -220,6 +228,7 @@ def stop_for(model, new: int) -> StopRule:
     return StopRule(new, frozenset(model.config.eos_token_ids), ignore_eos=True)
 
 
+@pytest.mark.task("L11.8")
 def test_the_model_drafting_for_itself_is_always_right(tiny_model, prompt_ids):
     """The target as its own draft model, greedy, four prompts arriving a step apart: every draft is accepted,
     the outputs are L9's, and the draft ran one forward per draft round: the longest limit of each proposal

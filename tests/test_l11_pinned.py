@@ -40,6 +40,7 @@ PROMPT = [10, 20, 30, 40, 50]  # 5 tokens: after its prompt step 6 tokens in 2 b
 NEW = 8  # 5 + 8 tokens fit the 4-block pool
 
 
+@pytest.mark.task("L11.7")
 def test_drafts_never_evict_a_cached_prefix_block(tiny_model):
     """A 4-block pool: a first request fills 2 blocks with a cached prefix and finishes (both cached, ref 0); a
     second takes the other 2. Its first decode has n = 6 tokens in 2 blocks of 4, and every free block is a cached

@@ -71,6 +71,7 @@ def expected(tiny_model) -> list[int]:
 # --- rejection at each position of the first proposal -------------------------------------------------------
 
 
+@pytest.mark.task("L11.7")
 @pytest.mark.parametrize("j", range(K + 1), ids=[f"reject-at-{j}" for j in range(K)] + ["all-accepted"])
 def test_first_verify_row_keeps_exactly_the_drafts_before_the_wrong_one(tiny_model, expected, j):
     """Step 1 is the prompt (output position 0); step 2's row drafts output positions 1 .. K. Corrupting
@@ -134,6 +135,7 @@ class WatchedReplay(ReplayDrafter):
         return super().propose(decodes, limits)
 
 
+@pytest.mark.task("L11.7")
 @pytest.mark.parametrize("j,blocks_after", [(0, 2), (1, 2), (2, 3), (K, 3)])
 def test_drafts_across_a_block_boundary_roll_back_to_the_kept_end(tiny_model, expected, j, blocks_after):
     """The first verify row feeds position 5 and drafts 6 .. 9: its table grows to blocks_for(10) = 3 blocks
@@ -170,6 +172,7 @@ def stop_position(expected: list[int]) -> int:
     pytest.fail(f"no fresh token at output positions 2 .. {K - 1} of {expected}")
 
 
+@pytest.mark.task("L11.7")
 @pytest.mark.parametrize("how", ["eos", "stop_token_ids"])
 def test_a_stop_inside_accepted_drafts_cuts_the_output_where_l9_does(tiny_model, expected, how):
     """The stop token is draft p-1 of the first verify row, with drafts after it that the target would also
@@ -251,6 +254,7 @@ def test_drafts_take_only_the_budget_the_step_leaves(tiny_model, budget):
     assert_no_leak(engine)
 
 
+@pytest.mark.task("L11.7")
 @pytest.mark.parametrize("name,corrupt", [("none-wrong", lambda seq, pos: False), ("every-3rd", every_nth_wrong(3))],
                          ids=["none-wrong", "every-3rd"])
 def test_seeded_sampling_with_drafts_gives_l9s_tokens(tiny_model, name, corrupt):

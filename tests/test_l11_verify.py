@@ -119,6 +119,7 @@ def sampled_trials(params: SamplingParams, rule=accept_sampled, seed0: int = 0) 
     return drafts, outputs
 
 
+@pytest.mark.task("L11.3")
 @pytest.mark.parametrize("name", PARAMS)
 def test_sampled_rule_emits_the_targets_law_and_accepts_min_p_q(name):
     """Drafts sampled from q (not p, with mass where p has none): the first emitted token follows p0 and the
@@ -206,6 +207,7 @@ GREEDY_LOGITS = greedy_logits(TARGETS)
 K = len(TARGETS) - 1
 
 
+@pytest.mark.task("L11.3")
 @pytest.mark.parametrize("j", range(K + 1))
 def test_greedy_keeps_the_drafts_before_the_first_mismatch(j):
     """Draft j wrong (j = K: none wrong): the row emits the drafts before it and the target's own token at j,
@@ -222,6 +224,7 @@ def test_greedy_keeps_the_drafts_before_the_first_mismatch(j):
     assert accept_sampled(GREEDY_LOGITS, drafts, torch.full((K, V), 1 / V), SamplingParams(), generator(5)) == want
 
 
+@pytest.mark.task("L11.2")
 def test_greedy_rows_with_fewer_drafts():
     assert accept_one_hot(GREEDY_LOGITS[:1], [], SamplingParams(), None) == TARGETS[:1]  # no drafts: a plain decode
     assert accept_one_hot(GREEDY_LOGITS[:3], TARGETS[:2], SamplingParams(), None) == TARGETS[:3]
@@ -231,6 +234,7 @@ def test_greedy_rows_with_fewer_drafts():
 # --- (e) seeded: the same seed, the same tokens ------------------------------------------------------------------
 
 
+@pytest.mark.task("L11.3")
 @pytest.mark.parametrize("name", PARAMS)
 def test_a_seed_gives_the_same_tokens(name):
     params = PARAMS[name]
@@ -242,6 +246,7 @@ def test_a_seed_gives_the_same_tokens(name):
     assert len({tuple(out) for out in one_hot}) > 1 and len({tuple(out) for out in sampled}) > 1  # not constant
 
 
+@pytest.mark.task("L11.2")
 @pytest.mark.parametrize("name", PARAMS)
 def test_one_hot_rule_draws_what_decoding_without_drafts_draws(name):
     """The one-hot rule emits exactly the tokens L4's sampler gives row by row with the same generator, and

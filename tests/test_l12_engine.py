@@ -135,6 +135,7 @@ def test_int8_prefix_hits_give_the_tokens_of_each_prompt_alone(tiny_model, hf, p
     assert_no_leak(engine)
 
 
+@pytest.mark.task("L12.5")
 def test_int8_chunked_prefill_gives_the_tokens_of_one_prefill(tiny_model, hf, prompt_ids, alone):
     """A budget of 8: the 101-token prompt is fed in slices beside the others' decodes; each slice writes its
     rows, later slices attend over them. The same tokens as each prompt prefilled in one forward."""
@@ -342,6 +343,7 @@ def test_tp2_int8_equals_tp1_int8(tp_model, tiny_model, hf, prompt_ids):
 # --- pool accounting ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.task("L12.5")
 def test_the_pool_is_sized_in_bytes(tiny_model):
     """Default kv_bytes: L11's default pool in the model's dtype (fp32 here). int8 rows of D + 4 bytes fit
     more than 1.8x the bf16 blocks and 3.5x the fp32 ones in it; an explicit kv_bytes or num_blocks is obeyed."""

@@ -35,8 +35,9 @@ from lessons.l12_kv_quant.runner import quantized
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
 
-# Slow (the quality contract teacher-forced over about a thousand positions, five checkpoints).
-pytestmark = pytest.mark.slow
+# Slow: the tests that measure (the quality contract teacher-forced over about a thousand positions, five
+# checkpoints), each marked; the checks of kl_rows and judge on made-up numbers take a second.
+slow = pytest.mark.slow
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -94,6 +95,7 @@ def embedded(tiny_model, tiny_dir, prompt_ids) -> tuple[list[list[int]], dict[st
     return streams, measure(tiny_model, bf16, streams, bad=True)
 
 
+@slow
 def test_the_contract_holds_on_the_embedded_model(embedded):
     streams, q = embedded
     int8, bf16 = q["int8"], q["bf16"]
@@ -107,6 +109,7 @@ def test_the_contract_holds_on_the_embedded_model(embedded):
     assert 0 <= w.stream < len(streams) and 0 <= w.position < len(streams[w.stream]) and w.kl >= int8.p999_kl
 
 
+@slow
 def test_a_bad_quantizer_fails_the_contract(embedded):
     """4-bit codes in the same rows, read by the same kernel: every measure worse than bf16's, and holds() says so."""
     _, q = embedded
@@ -115,6 +118,7 @@ def test_a_bad_quantizer_fails_the_contract(embedded):
     assert bad.mean_kl > bf16.mean_kl and bad.p999_kl > bf16.p999_kl and bad.top1 < bf16.top1
 
 
+@slow
 @pytest.mark.parametrize("name", ["untied", "gqa4_d128"])
 def test_held_out_shapes(other_checkpoints, prompt_ids, name):
     """Two shapes unlike the embedded model's, built by transformers' own init (conftest), 251 positions each: no
@@ -141,6 +145,7 @@ def test_held_out_shapes(other_checkpoints, prompt_ids, name):
 # --- what is measured, and how it is judged ----------------------------------------------------------------------
 
 
+@pytest.mark.task("L12.6")
 def test_kl_is_reference_to_test_per_row():
     """kl_rows (what compare sums) is KL(P_ref || P_test) = sum p_ref log(p_ref / p_test), the direction llama.cpp's
     tool and the doc use. Rows chosen so that the two directions differ by 2x."""
@@ -152,6 +157,7 @@ def test_kl_is_reference_to_test_per_row():
     assert torch.allclose(kl_rows(ref, test), forward, rtol=1e-9, atol=1e-12), (kl_rows(ref, test), forward)
 
 
+@slow
 def test_the_mean_is_over_every_position_of_every_stream(embedded):
     """The Quality's KL has one value per position of every stream, prompts included, in stream order, and its
     mean_kl is their plain mean (not a mean of per-stream means, not the continuations only)."""
@@ -171,6 +177,7 @@ def runs(kl_test: torch.Tensor, kl_yard: torch.Tensor, agree_test, agree_yard, l
     return quality(kl_test, agree_test), quality(kl_yard, agree_yard)
 
 
+@pytest.mark.task("L12.7")
 def test_judge_verdicts_on_runs_with_a_known_answer():
     """Made-up runs, 2,000 positions (p99 judged): equal runs hold (margin), 2x the KL fails, 1.2x with noise at 200
     positions is unresolved on the mean; the same seed gives the same intervals."""
@@ -192,6 +199,7 @@ def test_judge_verdicts_on_runs_with_a_known_answer():
     assert judge(*runs(yard, yard, fewer, agree, [500] * 4)).measures[-1].verdict == "fails"
 
 
+@pytest.mark.task("L12.7")
 def test_the_judged_tail_is_the_one_the_sample_resolves():
     assert [tail_quantiles(n) for n in (999, 1000, 9999, 10_000, 50_000)] == [
         [], [0.99], [0.99], [0.99, 0.999], [0.99, 0.999]]

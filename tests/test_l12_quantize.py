@@ -32,6 +32,7 @@ def round_trip_error(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes, scales, (dequantize(codes, scales) - x.float()).abs()
 
 
+@pytest.mark.task("L12.1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_random_rows_round_trip_within_half_a_step(dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
@@ -51,6 +52,7 @@ def test_random_rows_round_trip_within_half_a_step(dtype: torch.dtype):
     assert (at_max.abs() == QMAX).all()
 
 
+@pytest.mark.task("L12.1")
 def test_a_row_of_zeros_comes_back_exactly():
     x = torch.randn(3, D)
     x[1] = 0.0  # a zero row among others: its scale must not come from its neighbours, nor be a NaN
@@ -61,6 +63,7 @@ def test_a_row_of_zeros_comes_back_exactly():
     assert not torch.isnan(dequantize(codes, scales)).any()
 
 
+@pytest.mark.task("L12.1")
 def test_an_outlier_sets_the_step_for_its_whole_row():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(D, generator=g) * 0.01
@@ -77,6 +80,7 @@ def test_an_outlier_sets_the_step_for_its_whole_row():
     assert torch.equal(err[others], x[others].abs())  # what per-row absmax costs a row with one outlier
 
 
+@pytest.mark.task("L12.1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("value", [3.0, -3.0, 1.0 / 3, -250.0, 1e-3, -7e-30])
 def test_a_row_of_constants_is_all_plus_or_minus_127(value: float, dtype: torch.dtype):
@@ -88,6 +92,7 @@ def test_a_row_of_constants_is_all_plus_or_minus_127(value: float, dtype: torch.
     torch.testing.assert_close(dequantize(codes, scales), x.float(), rtol=2 * 2.0**-23, atol=0)
 
 
+@pytest.mark.task("L12.1")
 def test_codes_never_use_minus_128():
     # Rows whose absmax is negative: the symmetric grid gives it -127 (a grid with -128 would let x / scale
     # reach it, and negating -128 overflows int8).
@@ -100,6 +105,7 @@ def test_codes_never_use_minus_128():
     assert (err <= half_step(scales)).all()
 
 
+@pytest.mark.task("L12.2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_rows_hold_the_codes_then_the_scales_bytes(dtype: torch.dtype):
     g = torch.Generator().manual_seed(3)

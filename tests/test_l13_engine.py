@@ -118,6 +118,7 @@ def assert_valid(tokenizer, spec: GrammarSpec, output: list[int], eos: frozenset
 # --- parity with HF -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.task("L13.7")
 def test_greedy_tokens_equal_hf_with_the_grammar_processor(tiny_model, hf, tokenizer, grammars, prompt_ids):
     """Five grammars and one unconstrained request in one batch, greedy: each constrained output is HF
     `generate`'s with GrammarLogitsProcessor of the same grammar (a fresh matcher), token for token; the

@@ -182,6 +182,7 @@ def test_replayed_drafts_with_rejections_give_the_tokens_without_drafts(tiny_mod
     assert_all_valid(tokenizer, want, eos_of(tiny_model))
 
 
+@pytest.mark.task("L13.7")
 def test_drafts_the_grammar_forbids_are_all_rejected(tiny_model, grammars, prompt_ids, plain, stop):
     """Drafts of tokens 1000, 1001, ... (text no grammar here starts with): the mask stops every proposal at its
     first draft, nothing is accepted, and the tokens are the run without drafts."""
@@ -226,6 +227,7 @@ def test_a_stop_id_ends_a_constrained_output_early(tiny_model, tokenizer, gramma
         json.loads(tokenizer.decode(seq.output_ids))
 
 
+@pytest.mark.task("L13.7")
 def test_ignore_eos_still_ends_at_the_grammars_eos(tiny_model, grammars, prompt_ids, plain, stop):
     """ignore_eos: an unconstrained request runs to max_new_tokens, a constrained one still ends where its
     grammar completes (its EOS is a stop id of the request)."""

@@ -245,6 +245,7 @@ def naive_allowed(words: list[int], vocab_size: int) -> list[bool]:
     return [bool(((words[t // 32] & 0xFFFFFFFF) >> (t % 32)) & 1) for t in range(vocab_size)]
 
 
+@pytest.mark.task("L13.1")
 @pytest.mark.parametrize("vocab_size", [1, 31, 100, 161])
 def test_allowed_rows_and_is_allowed_match_naive_bits(vocab_size):
     gen = torch.Generator().manual_seed(vocab_size)
@@ -261,6 +262,7 @@ def test_allowed_rows_and_is_allowed_match_naive_bits(vocab_size):
         assert [mask.is_allowed(bitmask[r], t) for t in range(vocab_size)] == want
 
 
+@pytest.mark.task("L13.2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_sets_exactly_the_disallowed_to_minus_inf(dtype):
     vocab_size, gen = 100, torch.Generator().manual_seed(7)
@@ -297,6 +299,7 @@ def compiler(grammar_compiler):
     return fresh
 
 
+@pytest.mark.task("L13.5")
 def test_cache_hits_the_same_spec_and_keeps_a_reordered_schema_apart(compiler):
     """The same schema from another field is a hit; its properties in another order are another grammar (the
     output writes them in the schema's order: tests/test_l13_standards.py)."""
@@ -311,6 +314,7 @@ def test_cache_hits_the_same_spec_and_keeps_a_reordered_schema_apart(compiler):
     assert (compiler.hits, compiler.misses) == (1, 3)
 
 
+@pytest.mark.task("L13.5")
 def test_cache_drops_the_least_recently_used(compiler, monkeypatch):
     monkeypatch.setattr(grammar_module, "CACHE_SIZE", 2)
     a, b, c = (GrammarSpec("choice", [word]) for word in ("a", "b", "c"))
@@ -325,6 +329,7 @@ def test_cache_drops_the_least_recently_used(compiler, monkeypatch):
     assert len(compiler._cache) == 2
 
 
+@pytest.mark.task("L13.5")
 @pytest.mark.parametrize("spec, reason", [
     (GrammarSpec("json_schema", {"type": "strin"}), "Invalid type: strin"),
     (GrammarSpec("json_schema", {"type": "string", "format": "bogus"}), "Unknown format: bogus"),
@@ -342,6 +347,7 @@ def test_compile_errors_are_one_line_and_name_the_problem(compiler, spec, reason
     assert compiler.misses == 0 and not compiler._cache  # nothing half-made is kept
 
 
+@pytest.mark.task("L13.5")
 @pytest.mark.parametrize("spec, text", [
     (GrammarSpec("json_schema", SCHEMA), '{"b":null,"a":false,"c":"hi","d":{"e":2}}'),
     (GrammarSpec("json_object"), '{"k":[1,{"z":null}]}'),

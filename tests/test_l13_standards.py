@@ -106,6 +106,7 @@ def test_regex_and_schema_pattern_read_as_ecma_262(grammar_compiler, tokenizer, 
         f"/{pattern}/ on {text!r}: ECMA-262 says {want}; regex field {as_regex}, schema pattern {as_pattern}")
 
 
+@pytest.mark.task("L13.3")
 def test_ecma_schema_rewrites_subschemas_only():
     """Patterns in properties, items, anyOf, $defs and patternProperties keys are rewritten; a `pattern` that is
     data (inside an enum, a const, a default, or a property *named* pattern) is left alone."""
@@ -151,6 +152,7 @@ def test_a_json_string_nested_5000_deep_is_a_400_naming_the_field():
     assert "nested too deeply" in str(caught.value)
 
 
+@pytest.mark.task("L13.5")
 def test_a_schema_past_the_nesting_limit_is_refused_in_one_line(grammar_compiler):
     deep: dict = {"type": "string"}
     for _ in range(MAX_SCHEMA_DEPTH):

@@ -49,6 +49,7 @@ def run(backend, meta: BatchMeta, q: torch.Tensor, k_pages: torch.Tensor, v_page
 MIXED = "dpdcddpdcd"
 
 
+@pytest.mark.task("L3.6")
 @pytest.mark.parametrize("s", [1, 7, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
 @pytest.mark.parametrize("d", [64, 128])
@@ -60,6 +61,7 @@ def test_mixed_batch_matches_oracle_fp32(s: int, hq: int, hkv: int, d: int):
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.task("L3.6")
 @pytest.mark.parametrize("s", [1, 16])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 128), (8, 1, 64)])
 def test_decode_only_batch_matches_oracle_fp32(s: int, hq: int, hkv: int, d: int):
@@ -70,6 +72,7 @@ def test_decode_only_batch_matches_oracle_fp32(s: int, hq: int, hkv: int, d: int
                                run(TorchBackend(), meta, q, k_pages, v_pages), **FP32_TOL)
 
 
+@pytest.mark.task("L3.6")
 @pytest.mark.parametrize("kinds", [MIXED, "dddddddd"])
 @pytest.mark.parametrize("s,hq,hkv,d", [(7, 6, 2, 64), (16, 8, 1, 128)])
 def test_bf16_matches_fp32_oracle(kinds: str, s: int, hq: int, hkv: int, d: int):
@@ -80,6 +83,7 @@ def test_bf16_matches_fp32_oracle(kinds: str, s: int, hq: int, hkv: int, d: int)
     torch.testing.assert_close(got.float(), want, **BF16_TOL)
 
 
+@pytest.mark.task("L3.6")
 def test_worked_example_padded_table_and_mask():
     # The lesson doc's example: S = 4, three decode requests holding 2, 5 and 3 pages.
     s, tables, kv_lens = 4, [[7, 2], [0, 9, 4, 11, 5], [3, 8, 1]], [6, 19, 12]
@@ -105,6 +109,7 @@ def test_buffers_are_reused_across_layers_and_outputs_are_not_views_of_them():
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
 
 
+@pytest.mark.task("L3.6")
 def test_run_without_plan_is_refused():
     meta, q, k_pages, v_pages = ragged_batch(seed=0, s=4, hq=4, hkv=2, d=64, kinds="dpd")
     other, *_ = ragged_batch(seed=1, s=4, hq=4, hkv=2, d=64, kinds="dpd")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_same_tokens
 from lessons.l2_token_flat import L2Engine
 from lessons.l3_block_tensor import L3Engine
 from shared.errors import CourseError
@@ -19,14 +20,20 @@ def hf_alone(hf, prompts, stop):
     return [hf.generate(p, stop).tokens for p in prompts]
 
 
+@pytest.mark.task("L3.5")
 @pytest.mark.parametrize("block_size", [16, 1, 7])
 def test_batch_matches_hf_alone(tiny_model, hf, prompt_ids, block_size):
     assert min(map(len, prompt_ids)) == 1 and max(map(len, prompt_ids)) > 3 * 16  # 1-token and multi-page
     engine = L3Engine(tiny_model, block_size=block_size, backend="torch")
-    assert engine.generate_batch(prompt_ids, NO_EOS) == hf_alone(hf, prompt_ids, NO_EOS)
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    got = engine.generate_batch(prompt_ids, NO_EOS)
+    assert len(got) == len(prompt_ids), f"{len(prompt_ids)} prompts in, {len(got)} outputs back"
+    for i, (tokens, want) in enumerate(zip(got, hf_alone(hf, prompt_ids, NO_EOS))):
+        assert_same_tokens(tokens, want, f"block size {block_size}, prompt {i} of one batch")
+    assert engine.allocator.num_free == engine.allocator.num_blocks, (
+        f"{engine.allocator.num_blocks - engine.allocator.num_free} blocks were never freed")
 
 
+@pytest.mark.task("L3.5")
 def test_eos_stops_each_request_on_its_own(tiny_model, hf, prompt_ids, monkeypatch):
     # Make the token HF emits third for prompt 0 the EOS: that request stops early, the others run on.
     eos = hf.generate(prompt_ids[0], StopRule(6, ignore_eos=True)).tokens[2]
@@ -51,6 +58,7 @@ def test_batch_matches_l2(tiny_model, prompt_ids):
     assert L3Engine(tiny_model, block_size=7).generate_batch(prompt_ids, stop) == [l2.generate(p, stop) for p in prompt_ids]
 
 
+@pytest.mark.task("L3.5")
 def test_failed_batch_frees_every_block(tiny_model, hf, prompt_ids, monkeypatch):
     engine = L3Engine(tiny_model, block_size=4, backend="torch")
     forward, calls = engine.runner.forward, []

@@ -48,6 +48,7 @@ def random_batch(seed: int, s: int, hq: int, hkv: int, d: int = 16, num_blocks: 
     return reqs, k_pages, v_pages, qs, dense
 
 
+@pytest.mark.task("L3.3")
 @pytest.mark.parametrize("s", [1, 7, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 8), (6, 2), (8, 1)])
 def test_matches_dense_causal_attention(s: int, hq: int, hkv: int):
@@ -61,6 +62,7 @@ def test_matches_dense_causal_attention(s: int, hq: int, hkv: int):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.task("L3.3")
 def test_run_without_plan_is_refused():
     reqs, k_pages, v_pages, qs, _ = random_batch(seed=0, s=4, hq=4, hkv=2)
     backend = TorchBackend()
@@ -69,6 +71,7 @@ def test_run_without_plan_is_refused():
         backend.run(torch.cat(qs), k_pages, v_pages, BatchMeta.build(reqs, 4, CPU))
 
 
+@pytest.mark.task("L3.1")
 def test_pool_flat_view_is_l2_slot_convention():
     cfg = Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e6,

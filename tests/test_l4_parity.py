@@ -2,6 +2,7 @@
 stop token ids, and seeded sampling that is identical alone and in a crowd."""
 import pytest
 
+from conftest import assert_same_tokens
 from lessons.l3_block_tensor import L3Engine
 from lessons.l4_continuous import Arrival, L4Engine, SamplingParams
 from lessons.l4_continuous.sequence import Status
@@ -16,13 +17,17 @@ def stop(tiny_model) -> StopRule:
     return StopRule(NEW, frozenset(tiny_model.config.eos_token_ids), ignore_eos=True)
 
 
+@pytest.mark.task("L4.7")
 @pytest.mark.parametrize("block_size,stagger,max_running", [(16, 3, 64), (7, 1, 2), (1, 0, 3)])
 def test_staggered_arrivals_match_hf_alone_and_l3(tiny_model, hf, prompt_ids, stop, block_size, stagger, max_running):
     engine = L4Engine(tiny_model, block_size, max_running=max_running, backend="torch")
     got = engine.generate_batch(prompt_ids, stop, stagger=stagger)
-    assert got == [hf.generate(p, stop).tokens for p in prompt_ids]
+    assert len(got) == len(prompt_ids), f"{len(prompt_ids)} requests in, {len(got)} outputs back"
+    for i, p in enumerate(prompt_ids):
+        assert_same_tokens(got[i], hf.generate(p, stop).tokens, f"request {i}, arriving at step {stagger * i}")
     assert got == L3Engine(tiny_model, block_size, backend="torch").generate_batch(prompt_ids, stop)
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert engine.allocator.num_free == engine.allocator.num_blocks, (
+        f"{engine.allocator.num_blocks - engine.allocator.num_free} blocks were never freed")
     assert engine.stats.peak_running <= max_running
 
 
@@ -62,6 +67,7 @@ def test_a_request_rejected_mid_run_leaves_the_others_intact(tiny_model, hf, pro
     assert [a.seq_id, b.seq_id] == [0, 1]  # rejected requests did not even take an id
 
 
+@pytest.mark.task("L4.7")
 def test_stop_token_ids_and_eos_stop_early_and_keep_the_token(tiny_model, hf, prompt_ids, stop):
     free_run = hf.generate(prompt_ids[0], stop).tokens
     target = free_run[3]
@@ -84,10 +90,11 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(tiny_model, prompt_ids
     assert alone != greedy  # the check would be empty if sampling fell back to argmax
 
 
+@pytest.mark.task("L4.7")
 def test_finished_requests_are_retired_in_the_same_step(tiny_model, prompt_ids):
     engine = L4Engine(tiny_model, 4, backend="torch")
     short = engine.add_request(prompt_ids[1], StopRule(1))
     other = engine.add_request(prompt_ids[0], StopRule(5))
     engine.step()
-    assert short.status is Status.FINISHED and short.blocks == []
+    assert short.status is Status.FINISHED and short.blocks == [], "a request finished in a step is retired in that step"
     assert engine.scheduler.running == [other]

@@ -15,18 +15,21 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # distinct, so every cut poin
 CHI2_CRIT_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
 
 
+@pytest.mark.task("L4.6")
 def test_temperature_zero_is_argmax():
     logits = torch.randn(7, 1000, generator=torch.Generator().manual_seed(0))
     got = sample(logits, [SamplingParams()] * 7, [None] * 7)
-    assert got == logits.argmax(dim=-1).tolist()
+    assert got == logits.argmax(dim=-1).tolist(), "greedy rows (temperature 0) are the argmax of each row"
 
 
+@pytest.mark.task("L4.5")
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_top_k_keeps_the_k_largest(k):
     _, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=k))
-    assert sorted(ids.tolist()) == list(range(k))  # LOGITS is sorted descending
+    assert sorted(ids.tolist()) == list(range(k)), f"top-k {k} of {LOGITS.tolist()} keeps tokens 0..{k - 1}, got {ids.tolist()}"
 
 
+@pytest.mark.task("L4.5")
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.6, 0.8, 0.95, 1.0])
 def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p):
     probs = torch.softmax(LOGITS, -1).tolist()
@@ -38,10 +41,11 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p):
         if mass >= top_p:
             break
     kept, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
-    assert ids.tolist() == want
-    assert math.isclose(float(kept.sum()), 1.0, rel_tol=1e-6)
+    assert ids.tolist() == want, f"top-p {top_p}: the most likely tokens until their mass reaches it are {want}, got {ids.tolist()}"
+    assert math.isclose(float(kept.sum()), 1.0, rel_tol=1e-6), "the kept probabilities must sum to 1"
 
 
+@pytest.mark.task("L4.5")
 def test_a_tiny_top_p_keeps_only_the_most_likely_token():
     # 1 - 1e-9 rounds to 1 in fp32, so every cumulative mass is "<= 1 - top_p": only the rule that the top
     # token always stays keeps the support from being empty (and the probabilities from being NaN).
@@ -50,15 +54,17 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token():
     assert kept.tolist() == [1.0]
 
 
+@pytest.mark.task("L4.5")
 def test_top_k_then_top_p_renormalises_in_between():
     # top-k 3 leaves [2, 1, 0.5]; renormalised, token 0 alone holds ~0.63 < 0.7, so two tokens stay
     _, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
     assert ids.tolist() == [0, 1]
 
 
+@pytest.mark.task("L4.5")
 def test_top_k_keeps_every_token_tied_with_the_kth():
     _, ids = filtered_probs(torch.tensor([3.0, 2.0, 2.0, 1.0]), SamplingParams(temperature=1.0, top_k=2))
-    assert ids.tolist() == [0, 1, 2]  # HF's TopKLogitsWarper keeps both 2.0s
+    assert ids.tolist() == [0, 1, 2], f"HF's TopKLogitsWarper keeps both 2.0s (tied with the k-th), got {ids.tolist()}"
 
 
 def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -82,6 +88,7 @@ HF_PARAMS = [(1.0, 2, 1.0), (1.0, 3, 1.0), (0.7, 0, 0.9), (1.0, 0, 0.5), (1.0, 0
              (1.3, 5, 0.5), (0.5, 4, 0.3), (2.0, 1, 1.0), (1.0, 0, 1.0), (0.9, 50, 0.95)]
 
 
+@pytest.mark.task("L4.5")
 @pytest.mark.parametrize("row", HF_ROWS, ids=list(HF_ROWS))
 @pytest.mark.parametrize("temperature, top_k, top_p", HF_PARAMS)
 def test_support_and_probabilities_match_hfs_warpers(row, temperature, top_k, top_p):
@@ -101,6 +108,7 @@ def assert_one_draw_per_token(generator: torch.Generator, seed: int, tokens: int
     assert torch.equal(generator.get_state(), replay.get_state())
 
 
+@pytest.mark.task("L4.6")
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-38, 1e-12])
 def test_a_tiny_temperature_picks_the_argmax_with_one_draw_per_token(temperature):
     logits = torch.randn(20, 1000, generator=torch.Generator().manual_seed(3)) * 4
@@ -110,11 +118,13 @@ def test_a_tiny_temperature_picks_the_argmax_with_one_draw_per_token(temperature
     assert_one_draw_per_token(g, 9, len(logits))
 
 
+@pytest.mark.task("L4.5")
 def test_a_tiny_temperature_shares_a_tie_at_the_top():
     probs, ids = filtered_probs(torch.tensor([2.0, 1.0, 2.0]), SamplingParams(1e-45))
     assert ids.tolist() == [0, 2] and probs.tolist() == [0.5, 0.5]
 
 
+@pytest.mark.task("L4.6")
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-30, 1e30, 1e300])
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.9), (3, 0.5)])
 def test_extreme_temperatures_never_give_nan(temperature, top_k, top_p):
@@ -134,6 +144,7 @@ def chi_square(counts: list[int], probs: list[float]) -> float:
     return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs))
 
 
+@pytest.mark.task("L4.6")
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.5),
@@ -151,6 +162,7 @@ def test_sampled_frequencies_match_the_target(params):
     assert chi_square(counts, list(target.values())) < CHI2_CRIT_0_001[df]
 
 
+@pytest.mark.task("L4.6")
 def test_seeded_rows_are_batch_invariant():
     """A request's tokens depend on its seed and its own logits only: not on its row or its neighbours."""
     vocab, steps = 50, 30

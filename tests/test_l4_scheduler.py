@@ -67,6 +67,7 @@ def expected(a: Arrival) -> list[int]:
     return out
 
 
+@pytest.mark.task("L4.7")
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_keep_the_pool_consistent_and_finish(seed):
     rng = random.Random(seed)
@@ -83,6 +84,7 @@ def test_random_workloads_keep_the_pool_consistent_and_finish(seed):
     assert engine.stats.peak_running <= engine.scheduler.max_running
 
 
+@pytest.mark.task("L4.7")
 def test_admission_is_fifo_and_waits_for_blocks():
     """Backpressure: a request that does not fit waits, in order, and runs once blocks come back."""
     engine = L4Engine(fake_model(), 4, 6, runner=FakeRunner(4, 6))
@@ -97,6 +99,7 @@ def test_admission_is_fifo_and_waits_for_blocks():
     assert c.status is not Status.WAITING  # admitted as soon as b's blocks came back
 
 
+@pytest.mark.task("L4.7")
 def test_a_request_larger_than_the_pool_is_rejected_without_a_trace():
     engine = L4Engine(fake_model(), 4, 5, runner=FakeRunner(4, 5))
     ok = engine.add_request([1, 2, 3], StopRule(6))
@@ -110,6 +113,7 @@ def test_a_request_larger_than_the_pool_is_rejected_without_a_trace():
     assert ok.output_ids == reference([1, 2, 3], 6)
 
 
+@pytest.mark.task("L4.7")
 def test_max_running_limits_the_batch():
     engine = L4Engine(fake_model(), 4, 100, max_running=2, runner=FakeRunner(4, 100))
     for i in range(5):
@@ -118,6 +122,7 @@ def test_max_running_limits_the_batch():
     assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 3
 
 
+@pytest.mark.task("L4.7")
 def test_kv_utilization_on_a_hand_computed_case():
     """S = 2. A: 3-token prompt, 3 new tokens; B: 1-token prompt, 1 new token; both admitted at step 1.
     Per step (held = tokens whose K/V are written, reserved = allocated blocks x 2):

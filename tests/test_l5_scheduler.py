@@ -43,6 +43,7 @@ def check_arrival_order(engine) -> None:
     assert not running or not queued or max(running) < min(queued), (running, queued)
 
 
+@pytest.mark.task("L5.4")
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workloads_under_pressure(policy, seed):
@@ -61,6 +62,7 @@ def test_random_workloads_under_pressure(policy, seed):
         assert engine.scheduler.host.allocator.num_free == engine.scheduler.host.allocator.num_blocks
 
 
+@pytest.mark.task("L5.4")
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_the_running_request_that_arrived_last_is_preempted(policy):
     engine = L5Engine(fake_model(), 2, 4, runner=FakeRunner(2, 4), policy=policy)
@@ -78,6 +80,7 @@ def test_the_running_request_that_arrived_last_is_preempted(policy):
     assert old.output_ids == reference([1, 2, 3], 6) and new.output_ids == reference([4], 6)
 
 
+@pytest.mark.task("L5.4")
 def test_a_lone_request_that_cannot_grow_is_an_error_not_a_hang():
     engine = L5Engine(fake_model(), 2, 2, runner=FakeRunner(2, 2))
     seq = Sequence([1, 2, 3], 2, stop=StopRule(4))  # needs 3 blocks; smuggled past add()'s size check
@@ -93,6 +96,7 @@ def test_unknown_policy():
         L5Engine(fake_model(), 2, 4, runner=FakeRunner(2, 4), policy="lru")
 
 
+@pytest.mark.task("L5.4")
 def test_the_victim_is_the_newest_running_request_not_the_next_in_line():
     """A (admitted first) needs a block; B and C do not. The newest, C, must give its block, not B."""
     engine = L5Engine(fake_model(), 4, 3, runner=FakeRunner(4, 3))
@@ -108,6 +112,7 @@ def test_the_victim_is_the_newest_running_request_not_the_next_in_line():
     assert [s.output_ids for s in (a, b, c)] == [reference([1, 2, 3, 4], 6), reference([5], 6), reference([6], 6)]
 
 
+@pytest.mark.task("L5.4")
 def test_a_small_host_pool_does_not_let_a_younger_swapped_request_starve_an_older_one():
     """host_blocks=1: the first victim falls back to recompute (waiting), a later one is swapped. The old
     rule served `swapped` first, so the younger request overtook the older one, which was then the newest
@@ -132,6 +137,7 @@ def test_a_small_host_pool_does_not_let_a_younger_swapped_request_starve_an_olde
     assert all(s.output_ids == reference(p, 6) for s, p in zip(seqs, prompts))
 
 
+@pytest.mark.task("L5.4")
 def test_exact_queues_after_each_preemption():
     """Same workload as above: each victim is the last running request, and goes to the front of its queue."""
     engine = L5Engine(fake_model(), 1, 8, runner=FakeRunner(1, 8), policy="swap", host_blocks=1)

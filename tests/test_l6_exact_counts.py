@@ -33,6 +33,7 @@ def finish(e: L6Engine, ledger: Ledger) -> None:
     assert all(r == 0 for r in e.allocator.ref) and e.allocator.num_free == e.allocator.num_blocks
 
 
+@pytest.mark.task("L6.7")
 def test_a_prompt_whose_blocks_repeat_each_other():
     """S = 2. P = 5 6 | 5 6 | 5 6 | 9: three blocks with the same tokens. Their keys are k(5 6),
     k(5 6 5 6), k(5 6 5 6 5 6): chained to the parent, so all different.
@@ -68,6 +69,7 @@ def test_a_prompt_whose_blocks_repeat_each_other():
         assert seqs[name].output_ids == reference(prompt, 1)
 
 
+@pytest.mark.task("L6.7")
 @pytest.mark.parametrize("wait", [True, False])
 def test_same_step_arrivals_sharing_a_prefix(wait):
     """S = 2, max 2 new tokens each, all four submitted before step 1, in this order:
@@ -101,6 +103,7 @@ def test_same_step_arrivals_sharing_a_prefix(wait):
     assert [s.output_ids for s in (a, b, c, d)] == [reference(p, 2) for p in prompts]
 
 
+@pytest.mark.task("L6.7")
 @pytest.mark.parametrize("wait", [True, False])
 def test_a_block_a_running_request_completes_is_waited_for(wait):
     """S = 2. A = 1 2 | 3 (3 new tokens) runs alone at step 1: 3 tokens computed, k(1 2) registered, and
@@ -120,6 +123,7 @@ def test_a_block_a_running_request_completes_is_waited_for(wait):
     assert a.output_ids == reference([1, 2, 3], 3) and b.output_ids == reference([1, 2, 3, a1, 7], 1)
 
 
+@pytest.mark.task("L6.7")
 def test_a_preempted_request_re_hits_its_own_blocks_generated_tokens_included():
     """S = 2, a pool of 5 blocks. A = 1 2 3 (3 new tokens), B = 7 8 9 (4 new), both submitted before step 1.
       step 1: both admitted, 2 blocks each (block 4 stays free): 6 tokens, 0 cached, 6 computed.

@@ -21,6 +21,7 @@ def block_digest(pool, block: int) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.task("L6.7")
 def test_a_write_after_a_fork_leaves_the_other_children_byte_identical(tiny_model, prompt_ids):
     prompt = prompt_ids[0]  # 5 tokens in blocks of 4: the last block is shared and partly filled
     engine = L6Engine(tiny_model, 4, 16, backend="torch")
@@ -39,6 +40,7 @@ def test_a_write_after_a_fork_leaves_the_other_children_byte_identical(tiny_mode
     assert block_digest(pool, first.blocks[-1]) != before[first.seq_id][-1]
 
 
+@pytest.mark.task("L6.7")
 @pytest.mark.parametrize("block_size", [4, 5])  # 5: the 5-token prompt fills its block; nothing to copy
 def test_each_child_equals_its_seed_alone(tiny_model, prompt_ids, block_size):
     prompt, stop = prompt_ids[0], StopRule(8, frozenset(tiny_model.config.eos_token_ids), ignore_eos=True)

@@ -33,6 +33,7 @@ def test_a_fully_cached_prompt_still_feeds_a_token(tiny_model, hf, prompt_ids, c
     assert engine.allocator.num_free == 64
 
 
+@pytest.mark.task("L6.7")
 @pytest.mark.parametrize("wait", [False, True])
 def test_two_requests_with_one_prefix_in_one_step(tiny_model, hf, shared, wait):
     """Without waiting, both are admitted in one step: neither may hit the other's blocks (not written

@@ -194,6 +194,7 @@ def test_the_suite_exercises_evictions_preemptions_and_copies():
     assert all(totals), f"hits, evictions, preemptions, copies = {totals}"
 
 
+@pytest.mark.task("L6.7")
 def test_a_hit_reuses_the_block_and_feeds_only_the_tail():
     S = 2
     engine = L6Engine(fake_model(), S, 8, runner=FakeRunner(S, 8))
@@ -207,6 +208,7 @@ def test_a_hit_reuses_the_block_and_feeds_only_the_tail():
     assert a.output_ids == reference([1, 2, 3, 4, 5], 1) and b.output_ids == reference([1, 2, 3, 4, 9, 9], 2)
 
 
+@pytest.mark.task("L6.7")
 def test_eviction_takes_the_least_recently_released_cached_block():
     S = 1
     engine = L6Engine(fake_model(), S, 4, runner=FakeRunner(S, 4))

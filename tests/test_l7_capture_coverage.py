@@ -40,6 +40,7 @@ def counters(engine: L7Engine) -> tuple:
     return dict(r.replays), r.eager_steps, r.real_rows, r.padded_rows
 
 
+@pytest.mark.task("L7.5")
 def test_every_max_running_from_1_to_40_captures_each_default_size_once(tiny_model):
     for max_running in range(1, 41):
         engine = L7Engine(tiny_model, S, 8, max_running, "torch")
@@ -49,6 +50,7 @@ def test_every_max_running_from_1_to_40_captures_each_default_size_once(tiny_mod
         assert counters(engine) == ({}, 0, 0, 0), "capture is not a step: nothing replayed, nothing padded yet"
 
 
+@pytest.mark.task("L7.5")
 @pytest.mark.parametrize("max_running,given,want", [
     (8, [8, 2, 2, 5], [2, 5, 8]),  # duplicates and unsorted: each size once, in order
     (5, [5, 1, 5, 1, 5], [1, 5]),
@@ -62,6 +64,7 @@ def test_user_sizes_are_sorted_deduplicated_and_captured_once(tiny_model, max_ru
     assert engine.runner.captures == {s: 1 for s in want}
 
 
+@pytest.mark.task("L7.5")
 def test_graphs_off_captures_nothing(tiny_model):
     engine = L7Engine(tiny_model, S, 8, 8, "torch", graphs=False, capture_sizes=[1, 2])
     assert engine.runner.sizes == [] and engine.runner.captures == {}
@@ -86,6 +89,7 @@ def shrinking_batch(model, max_running: int, sizes: list[int] | None, prompt_len
     return engine
 
 
+@pytest.mark.task("L7.6")
 def test_decode_batches_39_down_to_1_on_the_default_sizes(tiny_model):
     """max_running 40: sizes 1 2 4 8 16 24 32 40; decode batches 39 .. 1, one step each.
       39..33 -> 40: 7 steps, padded 1+2+..+7 = 28      32..25 -> 32: 8 steps, padded 0+1+..+7 = 28
@@ -98,6 +102,7 @@ def test_decode_batches_39_down_to_1_on_the_default_sizes(tiny_model):
     assert engine.runner.captures == {s: 1 for s in default_sizes(40)}, "replays never capture again"
 
 
+@pytest.mark.task("L7.6")
 def test_decode_batches_above_the_largest_size_run_eagerly(tiny_model):
     """max_running 12: the default sizes stop at 8. Decode batches 11 .. 1:
       11, 10, 9: above 8, eager (3 steps)    8..5 -> 8: 4 steps, padded 0+1+2+3 = 6
@@ -107,6 +112,7 @@ def test_decode_batches_above_the_largest_size_run_eagerly(tiny_model):
     assert counters(engine) == ({8: 4, 4: 2, 2: 1, 1: 1}, 4, 36, 7)
 
 
+@pytest.mark.task("L7.6")
 def test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate(tiny_model):
     """max_running 8, sizes [8, 2, 2, 5] -> 2 5 8, 1-token prompts. The prefill step is 8 rows of 1 token:
     it replays at 8. Then the decode batches 7 .. 1:
@@ -118,6 +124,7 @@ def test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate(tiny_model
     assert engine.runner.captures == {2: 1, 5: 1, 8: 1}
 
 
+@pytest.mark.task("L7.6")
 def test_requests_sharing_cached_prefix_blocks_decode_together(tiny_model, hf, prompt_ids):
     """S = 4, sizes 1 2 4 8. head = 8 tokens (2 blocks). A = head + 3 tokens (4 new), B = head + 1 and
     C = head + 1 other (3 new each), D = head + 2 (2 new).

@@ -63,12 +63,14 @@ def eight_then_three(model, prompt_ids, on: L7Engine, off: L7Engine, steps: int 
     return [s.output_ids for s in seqs[0]], [s.output_ids for s in seqs[1]], prompts
 
 
+@pytest.mark.task("L7.1")
 def test_default_capture_sizes_and_padding():
     assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert default_capture_sizes(6) == [1, 2, 4]
     assert [padded_size([1, 2, 4, 8], n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
 
 
+@pytest.mark.task("L7.6")
 def test_padded_rows_write_only_the_dummy_block(tiny_model, prompt_ids):
     """3 requests padded to 4: outside the dummy block, the pool changes exactly where the eager step's does."""
     on, off = engines(tiny_model)
@@ -83,6 +85,7 @@ def test_padded_rows_write_only_the_dummy_block(tiny_model, prompt_ids):
     assert off.runner.pool.k[0][off.dummy_block].abs().sum() == 0, "the eager engine never touches it"
 
 
+@pytest.mark.task("L7.6")
 def test_padded_rows_are_refilled_after_a_bigger_step(tiny_model, prompt_ids):
     """After a step of 8 rows, the step of 3 padded to 4 must rewrite row 3 of every buffer: left as it was,
     row 3 would write into (and read) the blocks of the request that sat there. Planted-bug test of the doc."""
@@ -107,6 +110,7 @@ def test_a_step_after_eight_rows_matches_hf(tiny_model, hf, prompt_ids):
     assert got == [hf.generate(p, stop(tiny_model, 2 if i < 5 else 5)).tokens for i, p in enumerate(prompts)]
 
 
+@pytest.mark.task("L7.6")
 def test_each_size_captured_once_reused_and_bigger_batches_run_eagerly(tiny_model, hf, prompt_ids):
     """Captured sizes 1, 2, 4. Arrivals grow the batch 1 -> 2 -> 3 -> 6 (above 4: eager); it shrinks to 2, 1."""
     engine = L7Engine(tiny_model, S, BLOCKS, 8, "torch", capture_sizes=[1, 2, 4])
@@ -122,6 +126,7 @@ def test_each_size_captured_once_reused_and_bigger_batches_run_eagerly(tiny_mode
     assert engine.allocator.num_free == engine.usable_blocks
 
 
+@pytest.mark.task("L7.1")
 def test_bad_capture_sizes_are_refused(tiny_model):
     with pytest.raises(CourseError, match="capture size 9"):
         L7Engine(tiny_model, S, BLOCKS, 8, "torch", capture_sizes=[1, 9])

@@ -101,6 +101,7 @@ def test_slices_of_a_prompt_alone(tiny_model, hf, prompt_ids, cap, length):
     assert_no_leak(engine)
 
 
+@pytest.mark.task("L8.6")
 def test_max_slice_tokens_caps_each_request_not_the_step(tiny_model, hf, prompt_ids):
     """Two prompts arriving together under a large budget: each gets its own slice of max_slice_tokens in
     the same step (the step computes two slices), so both take ceil(L / slice) slices."""
@@ -322,6 +323,7 @@ def record_steps(engine: L8Engine) -> list[tuple[bool, bool, bool]]:
     return log
 
 
+@pytest.mark.task("L8.6")
 def test_graphs_on_and_off_agree_and_prompt_slices_run_eagerly(tiny_model, hf, prompt_ids):
     """A one-token prompt ("a") arrives while others decode: every row of that step is one token wide, yet
     it holds a prompt slice, so it runs eagerly; pure decode steps replay."""

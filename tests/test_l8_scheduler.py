@@ -295,6 +295,7 @@ def test_a_bad_budget_is_one_line_before_anything_is_built(option, value):
     assert Counting.built == 0, "the runner (and its pool) was built before the budget was checked"
 
 
+@pytest.mark.task("L8.6")
 def test_the_smallest_budget_runs():
     engine = fake_l8(2, 16, max_batched_tokens=1, max_slice_tokens=1)
     seqs, _ = drive(engine, [(Arrival([1, 2, 3], StopRule(3)), 1), (Arrival([4, 5], StopRule(2), step=1), 1)])
@@ -319,6 +320,7 @@ def plans_of(engine) -> list[list[tuple]]:
     return plans
 
 
+@pytest.mark.task("L8.6")
 def test_the_worked_example_of_the_lesson():
     """docs/l8_chunked_prefill.md's trace (S = 4, budget 8; A 6 tokens and B 5 at clock 0, C 14 at clock 2),
     slice for slice and block for block: the schedule does not depend on the model."""
@@ -367,6 +369,7 @@ def forked_decodes(n: int, budget: int, steps: int):
     return engine, plans, late
 
 
+@pytest.mark.task("L8.6")
 @pytest.mark.parametrize("n, budget, first", [
     # Least recently fed first, ties to the older (lower id): the siblings, never fed, go before the parent
     # (fed by its prompt's last slice); decodes fed together keep that tie order afterwards.
@@ -397,6 +400,7 @@ def test_more_decodes_than_the_budget_take_turns(n, budget, first):
     assert set(engine.step_tokens[2:]) == {budget}
 
 
+@pytest.mark.task("L8.6")
 def test_a_prompt_waits_for_the_decodes_then_gets_what_they_leave():
     engine, plans, late = forked_decodes(3, 4, steps=3)
     # 3 decodes, budget 4: every step feeds all 3 and gives the 4th token to the waiting prompt.
@@ -410,6 +414,7 @@ def test_a_prompt_waits_for_the_decodes_then_gets_what_they_leave():
     assert late.output_ids and engine.prompt_slices[late.seq_id] == 3
 
 
+@pytest.mark.task("L8.6")
 def test_a_preempted_decodes_token_goes_back_to_the_step():
     """S = 1, 7 blocks, budget 2, one prompt sampled 3 times. In step 4 the sibling fed longest ago (2) is
     planned first; then the parent cannot grow and evicts the youngest running request, that very sibling:
@@ -426,6 +431,7 @@ def test_a_preempted_decodes_token_goes_back_to_the_step():
     assert [s.output_ids for s in group] == [solo(a, 3 + i) for i in range(3)]
 
 
+@pytest.mark.task("L8.6")
 def test_a_request_preempted_mid_prompt_is_readmitted_with_a_token_to_compute():
     """S = 2, budget 2. B (a 2-block prefix of A's tokens) is admitted with A's first block as a hit and a
     1-token slice; A's next decode preempts it. Readmitted, A's blocks cover B's whole prompt, yet at least

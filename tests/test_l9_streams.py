@@ -25,6 +25,7 @@ import json
 import random
 import time
 
+import pytest
 import torch
 
 from fake_runner import FakeChunkRunner, fake_model, reference
@@ -91,6 +92,7 @@ def test_10000_deltas_unread_are_merged_and_read_back_exactly():
         assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + ["length"]
 
 
+@pytest.mark.task("L9.6")
 def test_a_reader_too_far_behind_is_cut_once():
     """max_lag 100: the 101st unread token of choice 0 cuts the reader: on_lag runs once, the Deltas
     waiting (100 tokens) are kept, a Failed with code slow_reader follows, and later Deltas and Finished

@@ -86,6 +86,7 @@ def stream(token_bytes: TokenBytes, ids: list[int], sizes) -> tuple[str, bool]:
 MULTIBYTE = "éñü東京語漢字한국어🙂🚀🎉∑→€"
 
 
+@pytest.mark.task("L9.1")
 def test_random_ids_stream_to_the_tokenizers_own_decode(tokenizer, token_bytes, fragments):
     """600 seeded sequences, each a run of segments: the encoding of random text full of 2-4 byte characters
     (so characters are split across tokens and completed), a character fragment (so some are never finished,
@@ -128,6 +129,7 @@ def find_split_character(tokenizer, token_bytes) -> tuple[str, list[int], int]:
     raise AssertionError("no character of the list is split by the tokenizer")
 
 
+@pytest.mark.task("L9.1")
 def test_a_split_character_is_held_then_released_whole(tokenizer, token_bytes):
     """Up to the first half of a split character, push releases exactly the text before it ("at ") and
     `held` is a proper prefix of the character's UTF-8 bytes; each further token releases nothing (holding a
@@ -152,6 +154,7 @@ def test_a_split_character_is_held_then_released_whole(tokenizer, token_bytes):
     assert out == text
 
 
+@pytest.mark.task("L9.1")
 def test_an_unfinished_character_flushes_to_one_replacement_character(tokenizer, token_bytes):
     """Output ending after the first half of a character: flush() gives one U+FFFD (what decode shows for
     the same ids), then nothing is held; a second flush adds nothing."""
@@ -164,6 +167,7 @@ def test_an_unfinished_character_flushes_to_one_replacement_character(tokenizer,
     assert d.held == b"" and d.flush() == ""
 
 
+@pytest.mark.task("L9.1")
 def test_special_tokens_and_padded_ids_add_no_text(tokenizer, token_bytes):
     """<|im_end|> and <|endoftext|> are b'' (held stays empty around them); ids past the tokenizer's
     vocabulary (the embedding is padded to 151,936) too; the text around them is unchanged."""
@@ -250,6 +254,7 @@ def three_way_splits(text: str):
     ("aaaaab", "aab"),
     ("no stop here", "stop!"),  # a partial match that never completes: flushed as text
 ])
+@pytest.mark.task("L9.2")
 def test_a_stop_string_cut_at_every_pair_of_points(text, stop):
     """Every split of the text into 3 pieces (empty ones included) releases exactly text[:first occurrence]
     (the whole text when there is none), sets `stopped` exactly when it occurs, and holds at most
@@ -263,6 +268,7 @@ def test_a_stop_string_cut_at_every_pair_of_points(text, stop):
         assert all(len(h) <= len(stop) - 1 and stop.startswith(h) for h in held), (pieces, held)
 
 
+@pytest.mark.task("L9.2")
 def test_the_earliest_of_several_stop_strings_wins_in_any_order():
     """Stops "END" and "off": "off" comes first in the text, so the output ends before it, whichever order
     the stops are given in, and however the text is cut."""
@@ -272,6 +278,7 @@ def test_the_earliest_of_several_stop_strings_wins_in_any_order():
             assert run_matcher(stops, pieces)[0] == "Lift-", (stops, pieces)
 
 
+@pytest.mark.task("L9.2")
 def test_nothing_after_a_stop_is_ever_released():
     """Once stopped: push returns "" for any piece, flush returns "", held stays empty."""
     m = StopStringMatcher(("STOP",))
@@ -282,6 +289,7 @@ def test_nothing_after_a_stop_is_ever_released():
     assert m.flush() == ""
 
 
+@pytest.mark.task("L9.2")
 def test_flush_releases_a_held_partial_prefix():
     """Output ending on "EN" with stop "END": "EN" is held back, then flush() releases it as plain text;
     a second flush releases nothing."""
@@ -291,6 +299,7 @@ def test_flush_releases_a_held_partial_prefix():
     assert m.flush() == ""
 
 
+@pytest.mark.task("L9.2")
 def test_no_stop_strings_release_everything_at_once():
     """No stops (and an empty one, which is ignored): every piece is released as it comes, nothing held."""
     for stops in ((), ("",)):
@@ -304,6 +313,7 @@ def substring_free(stops: list[str]) -> bool:
     return not any(a != b and a in b for a in stops for b in stops)
 
 
+@pytest.mark.task("L9.2")
 def test_random_texts_against_the_oracle():
     """3,000 seeded cases over the alphabet "ab\\n": 1-3 random stop strings (none inside another), a random
     text, cut into random pieces. The joined release equals text[:min(text.find(s) for s found)] (the whole
@@ -334,6 +344,7 @@ def test_random_texts_against_the_oracle():
     assert 1000 < found < 2900, found  # both outcomes are well exercised
 
 
+@pytest.mark.task("L9.2")
 def test_overlapping_stop_strings_do_not_depend_on_token_boundaries():
     """Stops "\\n\\nHuman:" and "Human" (the second inside the first). The model's text is the same however
     its tokens cut it, so the client's text must be too. Generation ends at the first token that completes
@@ -417,6 +428,7 @@ def test_a_missing_model_is_refused():
     assert (e.status, e.param) == (400, "model")
 
 
+@pytest.mark.task("L9.3")
 def test_huge_json_integers_are_a_400_not_a_crash():
     """A JSON integer too large for a float (json.loads makes it an int) in a number field must be refused
     like any out-of-range value. Found by this file: number() calls math.isfinite first, which raises
@@ -454,6 +466,7 @@ def test_do_nothing_and_edge_values_are_accepted(extra):
     parse_completion({**BODY, **extra}, 16)
 
 
+@pytest.mark.task("L9.3")
 def test_a_float_zero_penalty_is_a_penalty_of_zero():
     """presence_penalty 0.0 (what json.loads gives for "0.0") asks for nothing, like 0, and the lesson says a
     penalty of 0 is accepted. Found by this file: check_fields requires the exact type of the neutral value
@@ -462,6 +475,7 @@ def test_a_float_zero_penalty_is_a_penalty_of_zero():
         parse_completion({**BODY, field: 0.0}, 16)
 
 
+@pytest.mark.task("L9.3")
 def test_the_defaults_and_what_a_good_completion_parses_to():
     """Defaults: temperature 1.0, top_p 1, top_k 0, n 1, max_tokens = the default given, no stops, no stream.
     And every field given reaches the request: top_k -1 means none (0), stop ids as a frozenset, a batch of
@@ -623,6 +637,7 @@ def is_decoding(seq) -> bool:
     return seq.status is Status.RUNNING and bool(seq.output_ids) and seq.num_tokens - seq.num_cached == 1
 
 
+@pytest.mark.task("L9.5")
 def test_abort_in_every_state_keeps_the_pool_exact_and_the_survivors_tokens():
     """S = 4, budget 6. Aborted: a 21-token prompt after 2 of its slices (its 3 full blocks are cached, and
     a survivor sharing that prefix hits them later), a request still waiting, a parent mid-prompt with two
@@ -785,6 +800,7 @@ def test_l9_engine_changes_only_the_methods_its_doc_names():
     assert hasattr(L8Engine, "step") and not hasattr(L8Engine, "abort") and not hasattr(L8Engine, "forget")
 
 
+@pytest.mark.task("L9.5")
 def test_forget_drops_only_that_requests_records():
     """forget(id) removes the id from timing and prompt_slices and nothing else; an unknown id is a no-op."""
     e = fake_l9(4, 16, max_batched_tokens=4)
@@ -854,6 +870,7 @@ def check_idle_pool(engine) -> None:
     assert m.num_free == engine.usable_blocks and sum(m.ref) == 1 == m.ref[engine.dummy_block]
 
 
+@pytest.mark.task("L9.8")
 def test_accepted_then_deltas_then_finished(token_bytes):
     """A greedy request and a sampled n = 2 one: Accepted(prompt tokens) first, then Deltas whose tokens are
     the reference's (the fake runner's argmax) and whose texts join to those tokens' text, each choice's last
@@ -942,6 +959,7 @@ def test_a_stop_string_ends_the_choice_and_frees_its_blocks(token_bytes):
     assert loop.metrics.registry.get_sample_value("paged_requests_finished_total", {"reason": "stop"}) == 1
 
 
+@pytest.mark.task("L9.8")
 def test_abort_frees_a_running_requests_blocks(token_bytes):
     """A long request aborted after its second Delta. A second request submitted after the abort finishes
     (the inbox is handled in order, so the abort came first). Then: no Finished came for the aborted one,
@@ -1009,6 +1027,7 @@ def test_finishes_are_counted_per_choice_whether_they_end_or_are_aborted(token_b
     check_idle_pool(loop.engine)
 
 
+@pytest.mark.task("L9.8")
 def test_max_waiting_refuses_with_429_then_takes_more_once_drained(token_bytes):
     """max_waiting 2, engine thread not started yet: two submissions are queued, the third is a 429
     (rate_limit_error, nothing queued); once started, both finish, nothing is waiting, and a new one is
@@ -1036,6 +1055,7 @@ def test_max_waiting_refuses_with_429_then_takes_more_once_drained(token_bytes):
     assert loop.num_waiting == 0
 
 
+@pytest.mark.task("L9.8")
 def test_a_request_the_pool_cannot_hold_is_a_failed_400(token_bytes):
     """8 blocks of 4 tokens: a 30-token prompt with 10 new tokens can never fit. The first event is Failed
     (400, param max_tokens), the waiting count goes back to 0, and the next request still runs."""
@@ -1055,6 +1075,7 @@ def test_a_request_the_pool_cannot_hold_is_a_failed_400(token_bytes):
     assert small[-1] == Finished(1, 2) and loop.num_waiting == 0
 
 
+@pytest.mark.task("L9.8")
 def test_stop_ends_the_thread_and_fails_what_is_in_flight(token_bytes):
     """stop() while a long request runs: the thread ends, the request's subscriber gets Failed (503, the
     server is shutting down), and a later submit is refused with 503."""

@@ -16,9 +16,11 @@ class DeferredCopyManager(RefBlockManager):
         super().__init__(*args, **kwargs)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, in the order they were made
 
+    # Task L10.7: rank 0 sends each step, its deferred copies too; every rank runs it
     def copy_block(self, src: int, dst: int) -> None:
         self.pending_copies.append((src, dst))
 
+    # Task L10.7: rank 0 sends each step, its deferred copies too; every rank runs it
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

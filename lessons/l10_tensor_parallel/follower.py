@@ -11,6 +11,7 @@ from shared.cli import DTYPES
 from shared.errors import RunFailure
 
 
+# Task L10.8: a follower: receive rank 0's next call and make it (load, build the runner it names, run a step)
 def runner_class(path: str, *args: str) -> type[TpRunner]:
     """The runner class rank 0's engine built, from the names its "build_runner" message carries (its class's
     `recipe`): `path`, "module:name" under lessons., names that class, or, with `args`, a runner_factory that
@@ -33,6 +34,7 @@ def runner_class(path: str, *args: str) -> type[TpRunner]:
     return found
 
 
+# Task L10.8: a follower: receive rank 0's next call and make it (load, build the runner it names, run a step)
 def follow(group: TpGroup) -> None:
     model: TpQwen3ForCausalLM | None = None
     runner: TpRunner | None = None

@@ -25,6 +25,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(local_in_features, out_features, bias=False)
         self.group = group
 
+    # Task L10.3: split layers: row-parallel and embedding all-reduce, the LM head gathers
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(super().forward(x))
 
@@ -38,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size))
         self.start, self.stop, self.group = vocab.start, vocab.stop, group
 
+    # Task L10.3: split layers: row-parallel and embedding all-reduce, the LM head gathers
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.start) & (ids < self.stop)
         # Unmasked, an id past this shard would index past its rows (an error) or, shifted, a wrong row.
@@ -54,6 +56,7 @@ class VocabParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size))
         self.vocab_size, self.group = vocab_size, group
 
+    # Task L10.3: split layers: row-parallel and embedding all-reduce, the LM head gathers
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, E] -> rank 0: fp32 logits [N, vocab]; other ranks: None."""
         if hidden.shape[0] == 0:  # every rank knows this step samples nothing: no gather to make

@@ -35,6 +35,7 @@ class TpLayout:
     mlp: range  # its rows of the MLP's intermediate dimension
     vocab: range  # its token ids, in the embedding and the LM head
 
+    # Task L10.1: each rank's query heads, KV heads (one kept by several when tp > Hkv), MLP rows, token ids
     @classmethod
     def of(cls, cfg: Qwen3Config, rank: int, size: int) -> "TpLayout":
         check_tp(cfg, size)
@@ -47,12 +48,14 @@ class TpLayout:
         kv = share(hkv) if hkv >= size else range(rank * hkv // size, rank * hkv // size + 1)
         return cls(rank, size, cfg.head_dim, share(hq), kv, share(cfg.intermediate_size), share(cfg.vocab_size))
 
+    # Task L10.1: each rank's query heads, KV heads (one kept by several when tp > Hkv), MLP rows, token ids
     def local_config(self, cfg: Qwen3Config) -> Qwen3Config:
         """The config of this rank's part: its head counts and MLP width (hidden size and vocabulary as is).
         Everything that sizes the KV pool and the attention kernels reads these, so they need no change."""
         return replace(cfg, num_attention_heads=len(self.q_heads), num_key_value_heads=len(self.kv_heads),
                        intermediate_size=len(self.mlp))
 
+    # Task L10.2: (dim, start, stop) of each checkpoint tensor this rank loads; None: every rank holds all of it
     def slice_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of checkpoint tensor `name` on this rank; None: every rank holds all of it."""
         module = name.split(".")[-2] if "." in name else name
@@ -64,6 +67,7 @@ class TpLayout:
         return dim, part.start * scale, part.stop * scale
 
 
+# Task L10.1: each rank's query heads, KV heads (one kept by several when tp > Hkv), MLP rows, token ids
 def check_tp(cfg: Qwen3Config, tp: int) -> None:
     """One line naming what --tp cannot split in this model."""
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads

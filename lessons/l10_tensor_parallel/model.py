@@ -20,6 +20,7 @@ from shared.model import Qwen3ForCausalLM, check_shapes
 
 
 class TpQwen3ForCausalLM(Qwen3ForCausalLM):
+    # Task L10.4: this rank's part of Qwen3: the split layers swapped in, only its slices loaded
     def __init__(self, cfg: Qwen3Config, layout: TpLayout, group: TpGroup):
         super().__init__(layout.local_config(cfg))
         self.full_config, self.layout, self.tp = cfg, layout, group
@@ -41,6 +42,7 @@ class TpQwen3ForCausalLM(Qwen3ForCausalLM):
         """hidden [N, E] -> rank 0: fp32 logits [N, vocab], gathered from every rank; other ranks: None."""
         return self.lm_head(hidden)
 
+    # Task L10.4: this rank's part of Qwen3: the split layers swapped in, only its slices loaded
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, group: TpGroup) -> "TpQwen3ForCausalLM":
         """This rank's part, read from the same HF checkpoint as the whole model: only its slices are read."""

@@ -42,6 +42,7 @@ class TpRunner(ChunkedRunner):
         with self.tp.lead("capture", sizes, dummy_block):
             super().capture(sizes, dummy_block)
 
+    # Task L10.7: rank 0 sends each step, its deferred copies too; every rank runs it
     def forward(self, slices: list[Slice]) -> torch.Tensor:
         """Rank 0, from the engine's step: send the step, then run it. Logits [slices that sample, vocab]."""
         copies = self.allocator.take_copies()  # the ref-counted manager's copy-on-write, not yet made
@@ -49,10 +50,12 @@ class TpRunner(ChunkedRunner):
         with self.tp.lead("run_step", slices, copies, starts):  # close() waits for the step's collectives to end
             return self.run_step(slices, copies)
 
+    # Task L10.7: rank 0 sends each step, its deferred copies too; every rank runs it
     def follow_step(self, slices: list[SentSlice], copies: list[tuple[int, int]]) -> None:
         """A follower: rank 0's step, each slice's table joined to this rank's copy first."""
         self.run_step(self.kept_tables.join(slices), copies)
 
+    # Task L10.7: rank 0 sends each step, its deferred copies too; every rank runs it
     def run_step(self, slices: list[Request], copies: list[tuple[int, int]]) -> torch.Tensor | None:
         """Every rank: the deferred copies first (this step may write into a copy), then L8's step."""
         for src, dst in copies:

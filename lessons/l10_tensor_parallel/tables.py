@@ -26,6 +26,7 @@ class SentTables:
     def __init__(self) -> None:
         self.sent: dict[int, tuple[list[int], int]] = {}
 
+    # Task L10.6: block tables across ranks: send each step only the entries a follower's copy lacks, join them
     def starts(self, slices: list[Slice]) -> list[int]:
         """Per slice, the first entry of its table the followers lack. Records this step as sent."""
         starts, sent = [], {}
@@ -44,6 +45,7 @@ class KeptTables:
     def __init__(self) -> None:
         self.kept: dict[int, tuple[list[int], TableTensor]] = {}
 
+    # Task L10.6: block tables across ranks: send each step only the entries a follower's copy lacks, join them
     def join(self, slices: list[SentSlice]) -> list[SentSlice]:
         """Give each slice its whole table: the kept copy extended by the tail sent. Raises RunFailure when a
         copy is not where rank 0's table says it is (the ranks would attend over different blocks)."""

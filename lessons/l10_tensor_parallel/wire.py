@@ -42,6 +42,7 @@ class SentSlice(Request):
     last_block: int = -1  # rank 0's last table entry: the follower's joined copy must end with it
     table: TableTensor | None = None  # the follower's kept int32 copy of `blocks` (tables.py)
 
+    # Task L10.5: a step as int64 tensors: pack, unpack checked field by field; a slice sends only its new tokens
     @classmethod
     def of(cls, s: Slice) -> "SentSlice":
         return cls(s.token_ids(s.num_cached, s.num_tokens), s.block_size, blocks=s.blocks, num_cached=s.num_cached,
@@ -51,6 +52,7 @@ class SentSlice(Request):
     def num_tokens(self) -> int:
         return self.num_cached + len(self.prompt_ids)
 
+    # Task L10.5: a step as int64 tensors: pack, unpack checked field by field; a slice sends only its new tokens
     def token_ids(self, start: int, end: int) -> list[int]:
         if start < self.num_cached:
             raise ValueError(f"tokens from {start}: only {self.num_cached} .. {self.num_tokens - 1} were sent")
@@ -60,6 +62,7 @@ class SentSlice(Request):
         return super().block_table_tensor(n) if self.table is None else self.table.first(self.blocks, n)
 
 
+# Task L10.5: a step as int64 tensors: pack, unpack checked field by field; a slice sends only its new tokens
 def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of the call `kind(*args)`."""
     fields: list[list[int]]
@@ -100,6 +103,7 @@ def payload_len(header: torch.Tensor) -> int:
     return length
 
 
+# Task L10.5: a step as int64 tensors: pack, unpack checked field by field; a slice sends only its new tokens
 def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
     """(kind, *args), as pack was given them (slices as SentSlices). Raises Malformed naming what is wrong."""
     length = payload_len(header)

@@ -44,6 +44,7 @@ class DraftModelDrafter:
         # As many blocks as the target's pool (its dummy block included), so every target block id is valid here.
         self.runner = PagedRunner(self.model, engine.block_size, engine.runner.pool.num_blocks, self.backend)
 
+    # Task L11.8: a draft model: k greedy guesses, one forward each, through a pool indexed by the target's block tables
     def propose(self, decodes: list[Slice], limits: list[int]) -> list[Draft]:
         """k greedy guesses per request (a one-hot q), all requests in each of the k forwards."""
         drafts: list[list[int]] = [[] for _ in decodes]
@@ -64,6 +65,7 @@ class DraftModelDrafter:
             seq.extra["draft"] = (seq.blocks, seq.num_tokens, tokens[:-1])
         return [Draft(tokens) for tokens in drafts]
 
+    # Task L11.8: a draft model: k greedy guesses, one forward each, through a pool indexed by the target's block tables
     def catch_up(self, piece: Slice) -> VerifySlice:
         """The decode's slice as the draft model must feed it: from the first position its pool does not
         hold for this request up to the last committed token (n - 1)."""
@@ -72,6 +74,7 @@ class DraftModelDrafter:
         view.num_cached = min(self.trusted(seq), seq.num_tokens - 1)
         return view
 
+    # Task L11.8: a draft model: k greedy guesses, one forward each, through a pool indexed by the target's block tables
     def trusted(self, seq) -> int:
         """Positions 0 .. trusted-1 of the draft pool hold the draft model's K/V of this request's tokens."""
         state = seq.extra.get("draft")

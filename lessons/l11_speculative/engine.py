@@ -47,6 +47,7 @@ class L11Engine(L9Engine):
                              self.max_batched_tokens, self.max_slice_tokens, self.max_long_prefills,
                              self.long_prefill_threshold, num_speculative_tokens=self.num_speculative_tokens)
 
+    # Task L11.7: the step: drafts -> one forward -> verify each decode -> commit, cut at a stop -> roll back -> register
     def step(self) -> list[SharedSequence]:
         """L8's plan with drafts behind its decodes -> one forward -> keep what verifies -> roll the rest back."""
         self.clock += 1
@@ -88,6 +89,7 @@ class L11Engine(L9Engine):
         self.trim_histories()
         return finished
 
+    # Task L11.7: the step: drafts -> one forward -> verify each decode -> commit, cut at a stop -> roll back -> register
     def commit(self, groups: list[tuple[SharedSequence, range, Slice]],
                emitted: list[list[int]]) -> tuple[list[int], list[int], list[SharedSequence]]:
         """Append each sequence's tokens but its last (postprocess appends that one and retires the finished),
@@ -108,6 +110,7 @@ class L11Engine(L9Engine):
                 decodes.append(seq)
         return last, kept, decodes
 
+    # Task L11.7: the step: drafts -> one forward -> verify each decode -> commit, cut at a stop -> roll back -> register
     def with_drafts(self, plan: list[Slice], limits: list[int]) -> list[Slice]:
         """Each decode with room for drafts asks the drafter, and becomes a verify slice if it got any."""
         asked = [i for i, k in enumerate(limits) if k]
@@ -122,6 +125,7 @@ class L11Engine(L9Engine):
                 plan[i] = VerifySlice.of_decode(plan[i], draft.tokens[:k], probs)
         return plan
 
+    # Task L11.7: the step: drafts -> one forward -> verify each decode -> commit, cut at a stop -> roll back -> register
     def choose(self, logits: torch.Tensor, groups: list[tuple[SharedSequence, range, Slice]]) -> list[list[int]]:
         """Per sequence, the tokens to append: one for a prompt's end or a plain decode, 1 .. k+1 for a verify
         slice (the accepted drafts, then the target's own)."""

@@ -27,6 +27,7 @@ class NgramDrafter:
     def propose(self, decodes: list[Slice], limits: list[int]) -> list[Draft]:
         return [Draft(self.lookup(piece, k) if k else []) for piece, k in zip(decodes, limits)]
 
+    # Task L11.1: prompt lookup: up to k tokens that followed the latest earlier match of the last n (max_n .. min_n) tokens
     def lookup(self, piece: Slice, k: int) -> list[int]:
         seq, n = piece.seq, piece.seq.num_tokens
         index, indexed, tokens = seq.extra.setdefault("ngram", ({}, 0, []))

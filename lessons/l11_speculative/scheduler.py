@@ -26,6 +26,7 @@ class SpecScheduler(ChunkedScheduler):
         self.limits = [self.draft_room(piece) if piece.decode else 0 for piece in plan]
         return plan
 
+    # Task L11.5: room for up to K drafts behind a decode from the budget left and unheld free blocks; reserve them
     def draft_room(self, piece: Slice) -> int:
         """Reserve blocks for up to K drafts behind this decode; returns how many it may carry."""
         seq = piece.seq
@@ -39,6 +40,7 @@ class SpecScheduler(ChunkedScheduler):
         self.budget -= k
         return k
 
+    # Task L11.6: roll back after verification: num_cached = end - 1, free the blocks wholly past blocks_for(end)
     def roll_back(self, seq, end: int) -> None:
         """After verification: the request's history ends at `end` (its committed tokens). Blocks wholly past
         the last one it feeds next step go back to the pool; the rejected drafts' K/V left in its last block is

@@ -21,6 +21,7 @@ class VerifySlice(Slice):
     drafts: list[int] = field(default_factory=list)  # d1 .. dk
     draft_probs: torch.Tensor | None = None  # [k, V] what they were sampled from; None: proposed with certainty
 
+    # Task L11.4: the verify slice: the decode's token at n-1, then drafts d1..dk at positions n..n+k-1 (end = n + k)
     @classmethod
     def of_decode(cls, piece: Slice, drafts: list[int], draft_probs: torch.Tensor | None = None) -> "VerifySlice":
         """The decode slice `piece` (num_cached = n-1, end = n) extended by `drafts`."""
@@ -29,6 +30,7 @@ class VerifySlice(Slice):
                    num_cached=piece.num_cached, seq=seq, end=seq.num_tokens + len(drafts), decode=True,
                    drafts=list(drafts), draft_probs=draft_probs)
 
+    # Task L11.4: the verify slice: the decode's token at n-1, then drafts d1..dk at positions n..n+k-1 (end = n + k)
     def token_ids(self, start: int, end: int) -> list[int]:
         """Committed tokens from the request's lists, then the drafts (positions n ..)."""
         n = self.seq.num_tokens

@@ -20,6 +20,7 @@ import torch
 from lessons.l4_continuous.sampling import SamplingParams, filtered_probs, pick, sample_row
 
 
+# Task L11.2: verify certain drafts: keep d(j+1) while row j's token equals it, then the target's own
 def accept_one_hot(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
                    generator: torch.Generator | None) -> list[int]:
     """Drafts proposed with certainty: keep d(j+1) while the target's own token for row j equals it."""
@@ -34,6 +35,7 @@ def accept_one_hot(logits: torch.Tensor, drafts: list[int], params: SamplingPara
     return out
 
 
+# Task L11.2: verify certain drafts: keep d(j+1) while row j's token equals it, then the target's own
 def keep_while_equal(drafts: list[int], targets: list[int]) -> list[int]:
     """The greedy rule on the target's k+1 choices: its tokens up to and including the first that is not the
     draft in its place (all k+1 when every draft matched)."""
@@ -43,6 +45,7 @@ def keep_while_equal(drafts: list[int], targets: list[int]) -> list[int]:
     return targets[:len(drafts) + 1]
 
 
+# Task L11.3: drafts sampled from q [k, V]: accept d with min(1, p(d)/q(d)), else sample normalise(max(0, p - q))
 def accept_sampled(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor, params: SamplingParams,
                    generator: torch.Generator) -> list[int]:
     """Drafts sampled from q (`draft_probs` [k, V], each row summing to 1): Leviathan et al.'s rule. Accept d

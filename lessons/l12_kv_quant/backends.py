@@ -20,6 +20,7 @@ _said_why_not_cpp = False
 class DequantTorchBackend(TorchBackend):
     """L3's oracle with one step added: the gathered int8 rows are dequantized before attention."""
 
+    # Task L12.4: the oracle: gather each request's rows by slot, unpack them, attend in fp32
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         if meta is not self._planned:  # a stale plan would silently attend over last step's pages
             raise RuntimeError("run() called with metadata that was not planned: call plan(meta) first")

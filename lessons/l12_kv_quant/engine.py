@@ -25,11 +25,13 @@ def storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return STORAGE.get(kv_dtype, model_dtype)
 
 
+# Task L12.5: size the pool in bytes: one block's K and V over every layer (int8 rows D + 4 wide), whole blocks in kv_bytes
 def default_kv_bytes(cfg: Qwen3Config, block_size: int, model_dtype: torch.dtype) -> int:
     """The memory of L11's default pool: DEFAULT_POOL_TOKENS' worth of blocks in the model's dtype."""
     return blocks_for(DEFAULT_POOL_TOKENS, block_size) * block_bytes(cfg, block_size, model_dtype)
 
 
+# Task L12.5: size the pool in bytes: one block's K and V over every layer (int8 rows D + 4 wide), whole blocks in kv_bytes
 def blocks_in(kv_bytes: int, cfg: Qwen3Config, block_size: int, kv_dtype: torch.dtype) -> int:
     """Whole blocks of this storage dtype in kv_bytes (scales included for int8)."""
     return kv_bytes // block_bytes(cfg, block_size, kv_dtype)

@@ -16,12 +16,14 @@ from shared.config import Qwen3Config
 
 
 class Int8KvPool(BlockKvPool):
+    # Task L12.3: the int8 pool: K and V int8 [N, S, Hkv, D + 4] per layer; write packs rows [T, Hkv, D] into slots [T]
     def __init__(self, cfg: Qwen3Config, num_blocks: int, block_size: int, device: torch.device):
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim + SCALE_BYTES)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(cfg.num_hidden_layers)]
 
+    # Task L12.3: the int8 pool: K and V int8 [N, S, Hkv, D + 4] per layer; write packs rows [T, Hkv, D] into slots [T]
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v [T, Hkv, D] in the model's dtype -> packed int8 rows at flat slots [T]."""
         row = k.shape[2] + SCALE_BYTES
@@ -29,6 +31,7 @@ class Int8KvPool(BlockKvPool):
         self.v[layer].view(-1, v.shape[1], row)[slot_mapping] = pack_rows(v)
 
 
+# Task L12.5: size the pool in bytes: one block's K and V over every layer (int8 rows D + 4 wide), whole blocks in kv_bytes
 def block_bytes(cfg: Qwen3Config, block_size: int, kv_dtype: torch.dtype) -> int:
     """One block's K and V over every layer: int8 rows carry their scale, other dtypes D values each (fp8: D bytes,
     its scales are one per layer, not per row)."""

@@ -69,6 +69,7 @@ class Quality:
                 f"{self.top1:.2%} over {self.positions:,} positions")
 
 
+# Task L12.6: teacher-forced: every runner over the same streams, KL(P_ref || P_test) and top-1 at every position
 def kl_rows(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
     """KL(P_ref || P_test) per row, in fp64 (on near-uniform distributions every KL is about 1e-6, below what
     fp32's log-probabilities, about 12 in size, resolve): sum over the vocabulary of p_ref (log p_ref - log p_test)."""
@@ -76,6 +77,7 @@ def kl_rows(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(test_logits.double(), -1).neg_().add_(log_p).mul_(log_p.exp()).sum(-1).clamp_min(0)
 
 
+# Task L12.6: teacher-forced: every runner over the same streams, KL(P_ref || P_test) and top-1 at every position
 def teacher_forced_logits(runner: PagedRunner, stream: list[int]):
     """fp32 logits [rows, vocab] at every position of `stream`, CHUNK rows at a time, each chunk attending over
     the pool's pages of everything before it (so later chunks read what earlier ones wrote, as decodes do).
@@ -95,6 +97,7 @@ def teacher_forced_logits(runner: PagedRunner, stream: list[int]):
         runner.allocator.free(blocks)
 
 
+# Task L12.6: teacher-forced: every runner over the same streams, KL(P_ref || P_test) and top-1 at every position
 def compare(ref: PagedRunner, tests: dict[str, PagedRunner], streams: list[list[int]]) -> dict[str, Quality]:
     """Every runner over the same streams (the reference computed once); the distributions compared with the
     reference's at every position. Returns each test runner's Quality, by name."""
@@ -158,11 +161,13 @@ class Judgement:
         return "; ".join(m.line() for m in self.measures)
 
 
+# Task L12.7: judge test against yardstick, paired block bootstrap: a 95% interval and a verdict per measure
 def tail_quantiles(positions: int) -> list[float]:
     """The percentiles with MIN_TAIL positions beyond them: p99 from 1,000 positions, p99.9 too from 10,000."""
     return [q for q in (0.99, 0.999) if positions * (1 - q) >= MIN_TAIL - 1e-9]
 
 
+# Task L12.7: judge test against yardstick, paired block bootstrap: a 95% interval and a verdict per measure
 def judge(test: Quality, yardstick: Quality, seed: int = 0) -> Judgement:
     """The contract, judged paired: the same positions, the same bootstrap draws for both runs (see the module's
     docstring). Deterministic for a seed."""

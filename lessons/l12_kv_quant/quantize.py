@@ -17,6 +17,7 @@ QMAX = 127  # symmetric: -128 is never used, so negating a code never overflows
 SCALE_BYTES = 4  # an fp32 scale after each row's codes
 
 
+# Task L12.1: absmax int8, one fp32 scale per row: x [..., D] -> codes [..., D], scales [..., 1]; and back
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (codes int8 [..., D], scales fp32 [..., 1]), one scale per row."""
     x = x.float()
@@ -26,17 +27,20 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+# Task L12.1: absmax int8, one fp32 scale per row: x [..., D] -> codes [..., D], scales [..., 1]; and back
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The rows back in fp32: code x scale."""
     return codes.float() * scales
 
 
+# Task L12.2: pack a row as its D codes then its scale's 4 bytes, int8 [..., D + 4]; and unpack it to fp32
 def pack_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> int8 [..., D + 4]: each row's codes, then its fp32 scale's bytes."""
     codes, scales = quantize(x)
     return torch.cat([codes, scales.view(torch.int8)], dim=-1)
 
 
+# Task L12.2: pack a row as its D codes then its scale's 4 bytes, int8 [..., D + 4]; and unpack it to fp32
 def unpack_rows(rows: torch.Tensor) -> torch.Tensor:
     """int8 [..., D + 4] (pack_rows' layout) -> fp32 [..., D]."""
     d = rows.shape[-1] - SCALE_BYTES

@@ -22,6 +22,7 @@ SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
 
 
+# Task L13.3: ECMA-262 regexes for Rust's regex crate: \d \w \s, their complements and . as explicit classes
 def ecma_regex(pattern: str) -> str:
     """The same language as the ECMA-262 `pattern`, written so that the Rust regex crate reads it that way."""
     out: list[str] = []
@@ -50,6 +51,7 @@ def ecma_regex(pattern: str) -> str:
     return "".join(out)
 
 
+# Task L13.3: ECMA-262 regexes for Rust's regex crate: \d \w \s, their complements and . as explicit classes
 def ecma_schema(schema: object) -> object:
     """A copy of a JSON schema whose `pattern`s and `patternProperties` keys are rewritten by `ecma_regex`. Only
     subschemas are walked: a `pattern` inside an `enum` value or a `default` is data, not a regex."""

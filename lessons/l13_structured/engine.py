@@ -34,6 +34,7 @@ class L13Engine(L12Engine):
         self.mask_seconds = 0.0  # spent filling and applying masks (the benchmark reads it)
         self.masked_rows = 0
 
+    # Task L13.7: mask constrained rows (verify rows after their drafts) before sampling; advance the matchers
     def add_parallel(self, prompt_ids: list[int], stop: StopRule, sampling: SamplingParams = SamplingParams(),
                      n: int = 1) -> list[SharedSequence]:
         grammar = grammar_of(sampling)
@@ -45,6 +46,7 @@ class L13Engine(L12Engine):
             sampling = replace(sampling, stop_token_ids=sampling.stop_token_ids | grammar.eos_ids)
         return super().add_parallel(prompt_ids, stop, sampling, n)
 
+    # Task L13.7: mask constrained rows (verify rows after their drafts) before sampling; advance the matchers
     def choose(self, logits: torch.Tensor, groups: list[Group]) -> list[list[int]]:
         constrained = [i for i, (seq, _, _) in enumerate(groups) if grammar_of(seq.sampling) is not None]
         if not constrained:
@@ -55,6 +57,7 @@ class L13Engine(L12Engine):
             advance(matcher_of(groups[i][0]), emitted[i], drafts_taken)
         return emitted
 
+    # Task L13.7: mask constrained rows (verify rows after their drafts) before sampling; advance the matchers
     @torch.inference_mode()  # the logits are the runner's inference tensor: written in place
     def mask_rows(self, logits: torch.Tensor, groups: list[Group]) -> list[int]:
         """Mask every row these groups sample from, in place. A plain row gets its matcher's mask; a verify
@@ -91,6 +94,7 @@ class L13Engine(L12Engine):
         return taken
 
 
+# Task L13.6: a matcher per output; roll back rejected drafts, then take the target's token
 def matcher_of(seq: SharedSequence) -> llguidance.LLMatcher:
     """The output's own matcher: made at its first sampled row (each of L6's siblings makes its own), from its
     tokens so far (none, unless it was built again). L5's recompute keeps `extra`, so the state survives it."""
@@ -102,6 +106,7 @@ def matcher_of(seq: SharedSequence) -> llguidance.LLMatcher:
     return matcher
 
 
+# Task L13.6: a matcher per output; roll back rejected drafts, then take the target's token
 def advance(matcher: llguidance.LLMatcher, tokens: list[int], drafts_taken: int) -> None:
     """After the step: `tokens` are the accepted drafts, then the target's own. The drafts the matcher took in
     beyond the accepted ones are rolled back; then the target's token goes in (the mask allowed it)."""

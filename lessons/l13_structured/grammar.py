@@ -77,6 +77,7 @@ class GrammarCompiler:
         what llguidance could not compile (a bad regex, an unknown type, an unsupported keyword)."""
         return self.lookup(spec)[0]
 
+    # Task L13.5: compile a spec once: validate it, keep the grammar by its key, least recently used dropped first
     def lookup(self, spec: GrammarSpec) -> tuple[Grammar, bool]:
         """(the compiled grammar, whether it came from the cache)."""
         if spec.kind == "json_schema" and (depth := nesting_depth(spec.source)) > MAX_SCHEMA_DEPTH:
@@ -108,6 +109,7 @@ class GrammarCompiler:
         return grammar, False
 
 
+# Task L13.4: a spec's llguidance grammar: a JSON schema or any object (compact), a regex, choices, Lark or GBNF
 def grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar for a spec. Shapes are the caller's to check; what is inside, llguidance's."""
     if spec.kind == "json_schema":  # patterns are ECMA-262 regexes (ecma.py)

@@ -39,6 +39,7 @@ def fill(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None
     matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
+# Task L13.1: the mask layout: token t is bit t % 32 of int32 word t // 32; bitmask [R, W] -> allowed bool [R, V]
 def allowed_rows(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bitmask rows [R, W] int32 -> bool [R, vocab_size]. Little-endian bytes: byte b of word w holds tokens
     32w + 8b .. 32w + 8b + 7."""
@@ -47,11 +48,13 @@ def allowed_rows(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return _BYTE_WORDS.index_select(0, index).view(torch.bool).view(rows, words * WORD_BITS)[:, :vocab_size]
 
 
+# Task L13.1: the mask layout: token t is bit t % 32 of int32 word t // 32; bitmask [R, W] -> allowed bool [R, V]
 def is_allowed(words: torch.Tensor, token: int) -> bool:
     """One bit of one bitmask row: is `token` allowed?"""
     return bool((int(words[token // WORD_BITS]) >> (token % WORD_BITS)) & 1)
 
 
+# Task L13.2: apply a mask before sampling: every disallowed logit of [R, V] to -inf, in place, the rest untouched
 def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Every disallowed token's logit -> -inf, in place: logits [R, V] (any device), bitmask [R, W].
 

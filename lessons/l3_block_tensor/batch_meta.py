@@ -37,6 +37,7 @@ class BatchMeta:
     def num_tokens(self) -> int:
         return int(self.qo_indptr[-1])
 
+    # Task L3.2: one step's CSR page tables (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), positions, slots
     @classmethod
     def build(cls, requests: list[Request], block_size: int, device: torch.device) -> "BatchMeta":
         if not requests:

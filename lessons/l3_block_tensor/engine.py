@@ -21,6 +21,7 @@ class L3Engine:
         self.runner = PagedRunner(model, block_size, num_blocks, backend)
         self.allocator = self.runner.allocator
 
+    # Task L3.5: the static batch: refuse what cannot fit at its longest; step all, each stops and frees on its own
     def check_fits(self, prompts: list[list[int]], stop: StopRule) -> None:
         """A static batch runs to the end together, so all of it must fit at once, at its longest."""
         need = sum(blocks_for(len(p) + stop.max_new_tokens - 1, self.block_size) for p in prompts)  # last token never cached
@@ -30,6 +31,7 @@ class L3Engine:
                 f"of {self.block_size} tokens; the pool has {self.allocator.num_free} free of {self.allocator.num_blocks}"
             )
 
+    # Task L3.5: the static batch: refuse what cannot fit at its longest; step all, each stops and frees on its own
     def generate_batch(self, prompts: list[list[int]], stop: StopRule) -> list[list[int]]:
         for p in prompts:
             check_prompt(p, stop, self.model.config)

@@ -31,6 +31,7 @@ class PagedRunner:
     def make_backend(self, name: str, dtype: torch.dtype) -> AttentionBackend:
         return make_backend(name, self.model.config, dtype, self.device)
 
+    # Task L3.4: one ragged forward: build the metadata, plan once, write then attend per layer -> logits [B, vocab]
     def forward(self, requests: list[Request]) -> torch.Tensor:
         """Feed every request's uncached tokens in one flat stream -> fp32 logits [B, vocab] of each one's last."""
         meta = BatchMeta.build(requests, self.block_size, self.device)
@@ -42,6 +43,7 @@ class PagedRunner:
             r.num_cached = r.num_tokens
         return self.model.logits(hidden[meta.last_rows])
 
+    # Task L3.4: one ragged forward: build the metadata, plan once, write then attend per layer -> logits [B, vocab]
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         # Write first: each request's new tokens must see themselves (the diagonal of the causal mask).
         self.pool.write(layer, k, v, meta.slot_mapping)

@@ -72,6 +72,7 @@ class L4Engine:
     def runner_device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
+    # Task L4.7: the engine step: schedule -> one ragged forward -> sample -> postprocess; arrivals on the clock
     def step(self) -> list[Sequence]:
         """One engine step; returns the requests that finished in it."""
         self.clock += 1
@@ -83,6 +84,7 @@ class L4Engine:
         tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
         return self.scheduler.postprocess(batch, tokens)
 
+    # Task L4.7: the engine step: schedule -> one ragged forward -> sample -> postprocess; arrivals on the clock
     def run(self, workload: list[Arrival]) -> list[list[int]]:
         """Submit each request when the clock reaches its step; step until all finish. Outputs in input order."""
         order = sorted(range(len(workload)), key=lambda i: workload[i].step)

@@ -50,6 +50,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# Task L4.5: HF's warpers on one row [V]: temperature (max-shifted), top-k with ties, top-p -> (probs, ids) kept
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """One row of logits [V] -> (probabilities, token ids) of the kept support, in token-id order.
 
@@ -74,6 +75,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tenso
     return probs[ids], ids
 
 
+# Task L4.6: greedy: argmax; sampled: one uniform per token from its own generator, inverse CDF in id order
 def pick(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> int:
     """Inverse CDF: the first kept token whose cumulative mass exceeds u (a uniform in [0, 1)).
 
@@ -86,6 +88,7 @@ def pick(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> int:
     return int(ids[int(idx.clamp(max=ids.numel() - 1))])
 
 
+# Task L4.6: greedy: argmax; sampled: one uniform per token from its own generator, inverse CDF in id order
 def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     if p.greedy:
         return int(logits.argmax())
@@ -96,6 +99,7 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
     return pick(probs, ids, u)
 
 
+# Task L4.6: greedy: argmax; sampled: one uniform per token from its own generator, inverse CDF in id order
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [N, V] fp32, one row per request -> N token ids."""
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]

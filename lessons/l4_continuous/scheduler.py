@@ -41,6 +41,7 @@ class Scheduler:
 
     # --- one step: schedule -> (the engine runs the model and samples) -> postprocess ---
 
+    # Task L4.4: a step's batch: reserve, admit; then append each token, retire the finished at once
     def schedule(self) -> list[Sequence]:
         """Reserve this step's blocks for every running request, admit new ones; return the batch."""
         self.step_no += 1
@@ -49,6 +50,7 @@ class Scheduler:
         self.admit()
         return list(self.running)
 
+    # Task L4.3: admission is a promise: FIFO while every max_blocks promised fits the pool
     def admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running and self.can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
@@ -56,10 +58,12 @@ class Scheduler:
             seq.status, seq.admitted_at = Status.RUNNING, self.step_no
             self.running.append(seq)
 
+    # Task L4.3: admission is a promise: FIFO while every max_blocks promised fits the pool
     def can_admit(self, seq: Sequence) -> bool:
         promised = sum(s.max_blocks for s in self.running)
         return promised + seq.max_blocks <= self.allocator.num_blocks
 
+    # Task L4.4: a step's batch: reserve, admit; then append each token, retire the finished at once
     def postprocess(self, batch: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each request's new token; retire the finished ones at once, returning their blocks."""
         finished = []
@@ -70,6 +74,7 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    # Task L4.4: a step's batch: reserve, admit; then append each token, retire the finished at once
     def retire(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.blocks)

@@ -37,15 +37,18 @@ class Sequence(Request):
         # A running request is stepped thousands of times: its table tensor grows by appending, not afresh.
         return self.table.first(self.blocks, n)
 
+    # Task L4.2: the most blocks a request can hold (prompt + max_new - 1 tokens fed); finished on stop rule or stop id
     @property
     def max_tokens_fed(self) -> int:
         """The most tokens ever fed: the last generated token is sampled, never cached."""
         return len(self.prompt_ids) + self.stop.max_new_tokens - 1
 
+    # Task L4.2: the most blocks a request can hold (prompt + max_new - 1 tokens fed); finished on stop rule or stop id
     @property
     def max_blocks(self) -> int:
         return blocks_for(self.max_tokens_fed, self.block_size)
 
+    # Task L4.2: the most blocks a request can hold (prompt + max_new - 1 tokens fed); finished on stop rule or stop id
     def is_finished(self) -> bool:
         if self.stop.is_done(self.output_ids):
             return True

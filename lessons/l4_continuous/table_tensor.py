@@ -20,6 +20,7 @@ class TableTensor:
         self.ids = torch.empty(0, dtype=torch.int32)  # [capacity]: entries 0 .. filled-1 equal of[0 .. filled-1]
         self.filled = 0
 
+    # Task L4.1: the block table as int32 [n], kept between steps: copy only the entries appended since the last call
     def first(self, blocks: list[int], n: int) -> torch.Tensor:
         """blocks[:n] as int32 [n]: a view, valid until the next call (BatchMeta concatenates it at once)."""
         if blocks is not self.of:

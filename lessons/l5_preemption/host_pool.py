@@ -21,6 +21,7 @@ class HostKvPool:
         self.v = [torch.zeros(shape, dtype=first.dtype, pin_memory=pin) for _ in device_pool.v]
         self.allocator = BlockAllocator(num_host_blocks)
 
+    # Task L5.1: copy device blocks' pages [S, Hkv, D], every layer's K and V, to fresh host blocks, and back
     def swap_out(self, device_blocks: list[int]) -> list[int]:
         """Copy these device blocks to fresh host blocks; returns the host ids. PoolExhausted if no room (the
         scheduler checks can_hold first and falls back to recompute)."""
@@ -31,6 +32,7 @@ class HostKvPool:
             host[dst] = dev[src].to("cpu")
         return host_blocks
 
+    # Task L5.1: copy device blocks' pages [S, Hkv, D], every layer's K and V, to fresh host blocks, and back
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host blocks back into (already allocated) device blocks, in order, and free the host ones."""
         src = torch.tensor(host_blocks)

@@ -39,6 +39,7 @@ class PreemptingScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    # Task L5.4: grow every running request; when the pool is dry preempt the newest, admit only if none was
     def schedule(self) -> list[Sequence]:
         self.step_no += 1
         todo, kept = deque(self.running), []
@@ -66,6 +67,7 @@ class PreemptingScheduler(Scheduler):
             self.admit()
         return list(self.running)
 
+    # Task L5.3: admit on current need, the older of the two queue heads first (swap it back in); head of line
     def admit(self) -> None:
         """Oldest arrival first across both queues: swap in a swapped one, prefill a waiting one."""
         while len(self.running) < self.max_running:
@@ -83,6 +85,7 @@ class PreemptingScheduler(Scheduler):
                 self.stats.swaps_in += 1
             self._run(seq)
 
+    # Task L5.3: admit on current need, the older of the two queue heads first (swap it back in); head of line
     def fits_now(self, seq: Sequence) -> bool:
         return blocks_for(seq.num_tokens, self.block_size) - len(seq.blocks) <= self.allocator.num_free
 
@@ -90,6 +93,7 @@ class PreemptingScheduler(Scheduler):
         seq.status, seq.admitted_at = Status.RUNNING, self.step_no
         self.running.append(seq)  # it arrived after every running one, so `running` stays in arrival order
 
+    # Task L5.2: preempt: swap the blocks in use to host if it has room, else drop the KV; front of its queue
     def preempt(self, seq: Sequence) -> None:
         self.stats.preemptions += 1
         used = seq.blocks[: blocks_for(seq.num_cached, self.block_size)]  # blocks reserved ahead hold nothing

@@ -28,6 +28,7 @@ class RefBlockManager:
     def num_free(self) -> int:
         return len(self._free) + len(self._lru)
 
+    # Task L6.2: ref-counted blocks: alloc (free ones, then evict the least recently released cached), share, free
     def alloc(self, n: int) -> list[int]:
         """n private blocks (ref 1). Free ones first; then evict the least recently released cached ones."""
         if n > self.num_free:
@@ -44,6 +45,7 @@ class RefBlockManager:
             blocks.append(b)
         return blocks
 
+    # Task L6.2: ref-counted blocks: alloc (free ones, then evict the least recently released cached), share, free
     def share(self, blocks: list[int]) -> None:
         """One more reference to each block (a cache hit, or a fork). A cached block leaves the LRU."""
         for b in blocks:
@@ -51,6 +53,7 @@ class RefBlockManager:
                 del self._lru[b]  # KeyError: an unreferenced block that is not cached is free, not shareable
             self.ref[b] += 1
 
+    # Task L6.2: ref-counted blocks: alloc (free ones, then evict the least recently released cached), share, free
     def free(self, blocks: list[int]) -> None:
         """Return one reference per block. Tail first, so a prefix's deepest blocks are evicted first and
         its root, which every longer prefix needs, stays longest."""
@@ -68,6 +71,7 @@ class RefBlockManager:
     def is_shared(self, block: int) -> bool:
         return self.ref[block] > 1
 
+    # Task L6.3: copy-on-write: before a write into a shared block, copy it (every layer, K and V) and take the copy
     def copy_on_write(self, block: int) -> int:
         """A private copy of a shared block (every layer, K and V); the caller's reference moves to it."""
         new = self.alloc(1)[0]
@@ -76,6 +80,7 @@ class RefBlockManager:
         self.stats.cow_copies += 1
         return new
 
+    # Task L6.3: copy-on-write: before a write into a shared block, copy it (every layer, K and V) and take the copy
     def copy_block(self, src: int, dst: int) -> None:
         for rows in self.pool.k + self.pool.v:
             rows[dst].copy_(rows[src])

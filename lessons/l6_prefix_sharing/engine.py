@@ -55,6 +55,7 @@ class L6Engine(L5Engine):
         self._next_id += n
         return seqs
 
+    # Task L6.7: parallel sampling: fork siblings onto the parent blocks; the step samples them from its row
     def step(self) -> list[SharedSequence]:
         """L4's step, plus: register what the forward wrote, then fork the siblings of fresh prefills."""
         self.clock += 1

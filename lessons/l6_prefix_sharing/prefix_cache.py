@@ -18,6 +18,7 @@ def default_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(repr((parent, tokens)).encode(), digest_size=8).digest(), "little")
 
 
+# Task L6.1: hash-chained keys of full blocks; the cache maps key -> block, a collision is a miss
 def chain_keys(tokens: list[int], keys: list[int], block_size: int, upto: int, hash_fn: HashFn,
                first: int = 0) -> list[int]:
     """Extend `keys` (the keys of the first len(keys) full blocks of `tokens`) to `upto` blocks; return it.
@@ -42,12 +43,14 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self.entry
 
+    # Task L6.1: hash-chained keys of full blocks; the cache maps key -> block, a collision is a miss
     def lookup(self, key: int, prefix: tuple[int, ...]) -> int | None:
         block = self.block_of.get(key)
         if block is None or self.entry[block][1] != prefix:  # a collision: a miss, not somebody else's KV
             return None
         return block
 
+    # Task L6.1: hash-chained keys of full blocks; the cache maps key -> block, a collision is a miss
     def register(self, block: int, key: int, prefix: tuple[int, ...]) -> bool:
         """Name a block whose K/V has been written. The first writer of a prefix wins: a second block with
         the same prefix (two requests prefilled it in one step) or a colliding key stays private."""
@@ -57,6 +60,7 @@ class PrefixCache:
         self.entry[block] = (key, prefix)
         return True
 
+    # Task L6.1: hash-chained keys of full blocks; the cache maps key -> block, a collision is a miss
     def drop(self, block: int) -> None:
         """Forget a block (it is being evicted for reuse)."""
         key, _ = self.entry.pop(block)

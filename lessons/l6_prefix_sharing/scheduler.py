@@ -34,6 +34,7 @@ class PrefixScheduler(PreemptingScheduler):
         tokens = seq.token_ids(first, upto * self.block_size)
         return chain_keys(tokens, keys, self.block_size, upto, self.cache.hash_fn, first)
 
+    # Task L6.4: the longest chain of cached blocks that prefixes a request, at most (num_tokens - 1) // S deep
     def match(self, seq: SharedSequence) -> list[int]:
         """The longest chain of cached blocks that is a prefix of the request's tokens. At most
         (num_tokens - 1) // S blocks: at least one token is always left to feed (its logits give the next
@@ -48,6 +49,7 @@ class PrefixScheduler(PreemptingScheduler):
             hits.append(block)
         return hits
 
+    # Task L6.5: admission: share the hits, allocate the rest; wait for a block a running request is filling
     def admit(self) -> None:
         """Waiting requests in queue order (no swap in L6): cached prefix shared, only the rest allocated."""
         inflight = self.inflight_keys() if self.wait_for_inflight else set()
@@ -72,6 +74,7 @@ class PrefixScheduler(PreemptingScheduler):
             if self.wait_for_inflight:
                 inflight |= self.pending_keys(seq)
 
+    # Task L6.5: admission: share the hits, allocate the rest; wait for a block a running request is filling
     def waits_for(self, seq: SharedSequence, hits: list[int], inflight: set[int]) -> bool:
         """Whether the block after `seq`'s hits is being computed by a running request: then it waits and
         hits that block once it is written, instead of computing it a second time."""
@@ -89,6 +92,7 @@ class PrefixScheduler(PreemptingScheduler):
         at = next((i for i, s in enumerate(self.waiting) if s.seq_id > seq.seq_id), len(self.waiting))
         self.waiting.insert(at, seq)
 
+    # Task L6.5: admission: share the hits, allocate the rest; wait for a block a running request is filling
     def pending_keys(self, seq: SharedSequence) -> set[int]:
         """Keys of the blocks this step's forward fills for `seq` (not cached yet: not written yet)."""
         full, done = seq.num_tokens // self.block_size, seq.extra.get("registered", 0)
@@ -111,6 +115,7 @@ class PrefixScheduler(PreemptingScheduler):
         self.waiting.remove(seq)  # L5 put it at the front; an older request passed over may be queued
         self.queue(seq)
 
+    # Task L6.6: after the forward, register every block a request has filled (never earlier)
     def register_written(self, batch: list[SharedSequence]) -> None:
         """After the forward: every block a request has now filled (num_cached // S of them) enters the
         cache. Never earlier: a block registered at allocation could be hit before its K/V exists."""
@@ -123,6 +128,7 @@ class PrefixScheduler(PreemptingScheduler):
                 self.cache.register(seq.blocks[i], keys[i], seq.prefix((i + 1) * self.block_size))
             seq.extra["registered"] = full
 
+    # Task L6.7: parallel sampling: fork siblings onto the parent blocks; the step samples them from its row
     def fork(self, parent: SharedSequence) -> list[SharedSequence]:
         """Parallel sampling: right after the parent's prefill, its siblings join holding the same blocks,
         the partly filled last one included. Whoever writes into that one first copies it (reserve).

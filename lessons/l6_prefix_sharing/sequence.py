@@ -11,6 +11,7 @@ from shared.errors import PoolExhausted
 
 @dataclass(eq=False)
 class SharedSequence(Sequence):
+    # Task L6.3: copy-on-write: before a write into a shared block, copy it (every layer, K and V) and take the copy
     def reserve(self, num_tokens: int, allocator) -> None:
         """Grow the table to `num_tokens` tokens, and make private the block the next write lands in.
 

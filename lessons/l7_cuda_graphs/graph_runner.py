@@ -50,6 +50,7 @@ class GraphRunner(PagedRunner):
     def uses_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and self.backend.name == "flashinfer"
 
+    # Task L7.5: capture every size once, largest first, over all-padded buffers (writes reach the dummy block only)
     def capture(self, sizes: list[int], dummy_block: int) -> None:
         """Build every size's step, largest first. Called once, after the engine reserved dummy_block."""
         self.sizes, self.dummy_block = sorted(sizes), dummy_block
@@ -85,6 +86,7 @@ class GraphRunner(PagedRunner):
             self.steps[size] = step
             self.captures[size] += 1
 
+    # Task L7.3: a size's BatchMeta as views of the static buffers; kv_indices cut to the pages filled
     def padded_meta(self, size: int) -> BatchMeta:
         b = self.buffers
         qo = torch.arange(size + 1, dtype=torch.int32)  # one query row per request, fixed for the size
@@ -100,18 +102,21 @@ class GraphRunner(PagedRunner):
             decode_only=True,
         )
 
+    # Task L7.3: a size's BatchMeta as views of the static buffers; kv_indices cut to the pages filled
     def step_meta(self, step: SizedStep) -> BatchMeta:
         """The size's metadata with kv_indices cut to the pages this fill wrote: plan() reads (and on CUDA
         copies to the device) only those, not the whole buffer."""
         used = int(self.buffers.kv_indptr[step.size])
         return replace(step.meta, kv_indices=self.buffers.kv_indices[:used])
 
+    # Task L7.6: a decode step replays the smallest size that holds it; prefill steps and bigger batches run eagerly
     def graph_size(self, requests: list[Request]) -> int | None:
         """The captured size this step runs at, or None to run it eagerly."""
         if any(r.num_tokens - r.num_cached != 1 for r in requests):
             return None  # prefill tokens: variable length, nothing static to replay
         return padded_size(self.sizes, len(requests))
 
+    # Task L7.6: a decode step replays the smallest size that holds it; prefill steps and bigger batches run eagerly
     def forward(self, requests: list[Request]) -> torch.Tensor:
         size = self.graph_size(requests)
         if size is None:
@@ -128,6 +133,7 @@ class GraphRunner(PagedRunner):
         self.real_rows, self.padded_rows = self.real_rows + n, self.padded_rows + size - n
         return self.model.logits(hidden[:n])  # real rows only: padded rows never reach the sampler
 
+    # Task L7.4: the recorded step: the model over the static buffers into static hidden, with its size's backend
     def run_static(self, step: SizedStep, meta: BatchMeta) -> torch.Tensor:
         """The step a graph records: model over the static buffers, output into the static hidden buffer."""
         b, size = self.buffers, step.size
@@ -139,6 +145,7 @@ class GraphRunner(PagedRunner):
         b.hidden[:size].copy_(out)
         return b.hidden[:size]
 
+    # Task L7.4: the recorded step: the model over the static buffers into static hidden, with its size's backend
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         # Write first: each request's new tokens must see themselves (the diagonal of the causal mask).
         self.pool.write(layer, k, v, meta.slot_mapping)  # padded rows write the dummy block's slot 0

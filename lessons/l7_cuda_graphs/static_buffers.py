@@ -20,6 +20,7 @@ from lessons.l2_token_flat.request import Request
 
 
 class StaticDecodeBuffers:
+    # Task L7.2: static buffers at the largest size; fill rows 0..n-1, pad the rest into the dummy block
     def __init__(self, max_size: int, max_pages: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
         def dev(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int64, device=device)
@@ -33,6 +34,7 @@ class StaticDecodeBuffers:
         self.kv_indptr, self.kv_indices, self.kv_last_page_len = host(max_size + 1), host(max_pages), host(max_size)
         self.hidden = torch.zeros(max_size, hidden_size, dtype=dtype, device=device)
 
+    # Task L7.2: static buffers at the largest size; fill rows 0..n-1, pad the rest into the dummy block
     def fill(self, requests: list[Request], size: int, dummy_block: int, block_size: int) -> None:
         """Rows 0 .. n-1: each request's one new token. Rows n .. size-1: padding, every buffer rewritten,
         so no row keeps what a bigger earlier step left there (it would write into that request's block)."""

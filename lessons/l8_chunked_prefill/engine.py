@@ -45,6 +45,7 @@ class L8Engine(L7Engine):
             self.timing[seq.seq_id] = RequestTiming(self.clock, now)
         return seqs
 
+    # Task L8.6: the step: plan, one forward, each slice's computed count back to its request, sample where it ends
     def step(self) -> list[SharedSequence]:
         """Schedule slices -> one forward over all of them -> sample the requests whose slice reached their end."""
         self.clock += 1

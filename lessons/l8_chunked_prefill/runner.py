@@ -20,11 +20,13 @@ from lessons.l8_chunked_prefill.slice import Slice
 
 
 class ChunkedRunner(GraphRunner):
+    # Task L8.5: one forward over slices; logits for the sampling ones; graphs for decode-only steps
     def graph_size(self, requests: list[Slice]) -> int | None:
         if not all(s.decode and s.samples for s in requests):
             return None
         return super().graph_size(requests)
 
+    # Task L8.5: one forward over slices; logits for the sampling ones; graphs for decode-only steps
     def forward(self, slices: list[Slice]) -> torch.Tensor:
         """Compute every slice; fp32 logits [rows scored (scored_rows), vocab], in batch order."""
         if self.graph_size(slices) is not None:
@@ -40,6 +42,7 @@ class ChunkedRunner(GraphRunner):
         return self.model.logits(hidden[rows])  # the vocabulary projection: sampling rows only
 
 
+# Task L8.5: one forward over slices; logits for the sampling ones; graphs for decode-only steps
 def scored_rows(slices: list[Request], meta: BatchMeta) -> torch.Tensor:
     """The rows of the flat stream that get logits, in batch order: each sampling slice's last row."""
     starts, ends = meta.qo_indptr[:-1].tolist(), meta.qo_indptr[1:].tolist()

@@ -62,6 +62,7 @@ class ChunkedScheduler(PrefixScheduler):
         self.budget = 0  # tokens left in the step being scheduled
         self.plan: list[Slice] = []  # the step being scheduled
 
+    # Task L8.4: the plan: decodes (least recently fed first), then prompt slices, then admissions
     def schedule(self) -> list[Slice]:
         self.step_no += 1
         self.budget, self.plan = self.max_batched_tokens, []
@@ -83,6 +84,7 @@ class ChunkedScheduler(PrefixScheduler):
             self.admit()
         return self.plan
 
+    # Task L8.2: admission under the budget: the cache hit first, the first slice sized from what is left
     def slice_size(self, remaining: int) -> int:
         n = min(remaining, self.budget)
         return n if self.slice_cap is None else min(n, self.slice_cap)
@@ -90,11 +92,13 @@ class ChunkedScheduler(PrefixScheduler):
     def is_long(self, seq: SharedSequence, cached: int) -> bool:
         return self.long_prefill_threshold is not None and seq.num_tokens - cached > self.long_prefill_threshold
 
+    # Task L8.2: admission under the budget: the cache hit first, the first slice sized from what is left
     def take(self, piece: Slice) -> None:
         piece.seq.extra["fed_at"] = self.step_no
         self.budget -= piece.num_tokens - piece.num_cached
         self.plan.append(piece)
 
+    # Task L8.3: blocks for a slice's end, preempting the youngest; an evicted request's slice refunds the budget
     def reserve(self, seq: SharedSequence, upto: int) -> bool:
         """Blocks for tokens 0 .. upto-1, preempting the youngest running requests until they fit. False if
         `seq` is itself the youngest and had to yield."""
@@ -111,6 +115,7 @@ class ChunkedScheduler(PrefixScheduler):
                 if victim is seq:
                     return False
 
+    # Task L8.3: blocks for a slice's end, preempting the youngest; an evicted request's slice refunds the budget
     def evict(self, seq: SharedSequence) -> None:
         for piece in [p for p in self.plan if p.seq is seq]:
             self.plan.remove(piece)
@@ -118,6 +123,7 @@ class ChunkedScheduler(PrefixScheduler):
         self.running.remove(seq)
         self.preempt(seq)  # L6: references returned, num_cached 0, front of the waiting queue
 
+    # Task L8.2: admission under the budget: the cache hit first, the first slice sized from what is left
     def admit(self) -> None:
         """L6's admission with a budget: the cache hit is applied first, then the first slice is sized from
         what is left (so a hit shortens the slice), and only that slice's blocks are allocated."""

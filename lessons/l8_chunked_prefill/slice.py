@@ -26,6 +26,7 @@ class Slice(Request):
     end: int = 0  # the slice's history is the request's tokens 0 .. end-1; it feeds num_cached .. end-1
     decode: bool = False  # a running request's one next token, scheduled before any prompt slice
 
+    # Task L8.1: a slice: a request cut short at end, its lists shared; it samples only at the end
     @classmethod
     def of(cls, seq: Sequence, num_new: int, decode: bool = False) -> "Slice":
         end = seq.num_cached + num_new
@@ -36,6 +37,7 @@ class Slice(Request):
         return cls(seq.prompt_ids, seq.block_size, output_ids=seq.output_ids, blocks=seq.blocks,
                    num_cached=seq.num_cached, seq=seq, end=end, decode=decode)
 
+    # Task L8.1: a slice: a request cut short at end, its lists shared; it samples only at the end
     @property
     def num_tokens(self) -> int:
         return self.end
@@ -47,6 +49,7 @@ class Slice(Request):
     def seq_id(self) -> int:
         return self.seq.seq_id
 
+    # Task L8.1: a slice: a request cut short at end, its lists shared; it samples only at the end
     @property
     def samples(self) -> bool:
         """Whether this slice reaches the request's last known token: only then do its logits mean anything

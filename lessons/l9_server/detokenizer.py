@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders
 from shared.errors import CourseError
 
 
+# Task L9.1: token ids -> bytes (GPT-2's byte alphabet inverted) -> text through an incremental UTF-8 decoder
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """The inverse of byte-level BPE's alphabet: GPT-2 shows each byte as a printable character
@@ -54,6 +55,7 @@ class TokenBytes:
             self.cache[token_id] = self._bytes(token_id)
         return self.cache[token_id]
 
+    # Task L9.1: token ids -> bytes (GPT-2's byte alphabet inverted) -> text through an incremental UTF-8 decoder
     def _bytes(self, token_id: int) -> bytes:
         added = self.added.get(token_id)
         if added is not None:  # added tokens are stored as their text, not as byte-level symbols
@@ -73,9 +75,11 @@ class IncrementalDetokenizer:
         # once it is certain, exactly what HF's decode would show; an unfinished character is only held.
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    # Task L9.1: token ids -> bytes (GPT-2's byte alphabet inverted) -> text through an incremental UTF-8 decoder
     def push(self, token_ids: list[int]) -> str:
         return self.utf8.decode(b"".join(self.token_bytes(t) for t in token_ids))
 
+    # Task L9.1: token ids -> bytes (GPT-2's byte alphabet inverted) -> text through an incremental UTF-8 decoder
     def flush(self) -> str:
         """At the end of the output: an unfinished character will never be finished, so it is replaced."""
         return self.utf8.decode(b"", final=True)

@@ -21,6 +21,7 @@ class L9Engine(L8Engine):
                          self.stats.timeline):
             del history[:-HISTORY_STEPS]  # a server steps for days; a batch script could keep them all
 
+    # Task L9.5: abort sequences wherever they are (waiting, mid-prompt, decoding, unforked): their blocks go back
     def abort(self, seqs: list[SharedSequence]) -> None:
         """End these sequences now, wherever they are: waiting, part-way through their prompt, decoding, or
         not yet forked (a parent is aborted only with its siblings, or after it forked them). Called between
@@ -41,6 +42,7 @@ class L9Engine(L8Engine):
         for seq in seqs:
             self.forget(seq.seq_id)
 
+    # Task L9.5: abort sequences wherever they are (waiting, mid-prompt, decoding, unforked): their blocks go back
     def forget(self, seq_id: int) -> None:
         """Drop L8's per-request records: a server runs for days, and they would grow with every request."""
         self.timing.pop(seq_id, None)

@@ -96,6 +96,7 @@ class EventBuffer:
     def qsize(self) -> int:
         return len(self._entries)
 
+    # Task L9.6: one request's events in order; a lagging reader's Deltas merged, one past max_lag cut
     def push(self, event: Event) -> None:
         """Called on the event loop, for each event the engine thread sends."""
         if self.closed:  # a reader cut for lag: the engine's events until its abort lands go nowhere
@@ -128,6 +129,7 @@ class EventBuffer:
     def empty(self) -> bool:
         return not self._entries
 
+    # Task L9.6: one request's events in order; a lagging reader's Deltas merged, one past max_lag cut
     async def get(self) -> Event:
         """The oldest event, waiting for one if none is there. Cancelling the wait loses nothing."""
         while not self._entries:
@@ -135,6 +137,7 @@ class EventBuffer:
             await self._ready.wait()
         return self.get_nowait()
 
+    # Task L9.6: one request's events in order; a lagging reader's Deltas merged, one past max_lag cut
     def get_nowait(self) -> Event:
         """The oldest event; asyncio.QueueEmpty if none is there."""
         if not self._entries:
@@ -239,6 +242,7 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
+    # Task L9.8: the inbox: submit (429 past max_waiting), drained between steps: admit (a pool refusal: 400) or abort
     def submit(self, prompt_ids: list[int], request: GenerationRequest, subscriber: Subscriber) -> int:
         """Queue a request for the engine thread; refuse it at once if the server cannot take it. Each of its
         n choices is a sequence the engine must run, so each counts against max_waiting."""
@@ -309,6 +313,7 @@ class EngineLoop:
                 self.outbox.put(job.subscriber, failed)
         self.outbox.flush()
 
+    # Task L9.8: the inbox: submit (429 past max_waiting), drained between steps: admit (a pool refusal: 400) or abort
     def _drain(self, block: bool) -> bool:
         """Handle everything in the inbox (waiting for one message first if idle). False: stop."""
         while True:
@@ -324,6 +329,7 @@ class EngineLoop:
             elif request_id in self.jobs:  # an abort whose request is still running
                 self._end(request_id, "abort")
 
+    # Task L9.8: the inbox: submit (429 past max_waiting), drained between steps: admit (a pool refusal: 400) or abort
     def _admit(self, request_id: int, job: Job) -> None:
         req = job.request
         try:
@@ -343,6 +349,7 @@ class EngineLoop:
         self.jobs[request_id] = job
         self.outbox.put(job.subscriber, Accepted(len(job.prompt_ids)))
 
+    # Task L9.7: after a step, each choice's new tokens -> text -> stop strings -> a Delta; finishes, Finished
     def _emit(self, now: float) -> None:
         """Every choice that gained tokens in this step: text out, stop strings checked, finishes sent."""
         for request_id, job in list(self.jobs.items()):
@@ -371,6 +378,7 @@ class EngineLoop:
                 self.outbox.put(job.subscriber, Finished(len(job.prompt_ids), sum(c.sent for c in job.choices)))
                 self._end(request_id, None)
 
+    # Task L9.7: after a step, each choice's new tokens -> text -> stop strings -> a Delta; finishes, Finished
     @staticmethod
     def _text_of(choice: Choice, new: list[int]) -> tuple[str, list[int]]:
         """The text a step's new tokens release, and the tokens it came from: all of them, unless a stop string
@@ -388,12 +396,14 @@ class EngineLoop:
                 return "".join(pieces), new[:used]
         return "".join(pieces), new
 
+    # Task L9.7: after a step, each choice's new tokens -> text -> stop strings -> a Delta; finishes, Finished
     def _finish_reason(self, seq: SharedSequence, req: GenerationRequest) -> str:
         last = seq.output_ids[-1]
         eos = not req.ignore_eos and last in self.eos_ids
         # the sequence's own stop ids: L13's engine adds a grammar's EOS to the request's
         return "stop" if eos or last in seq.sampling.stop_token_ids else "length"
 
+    # Task L9.7: after a step, each choice's new tokens -> text -> stop strings -> a Delta; finishes, Finished
     def _end(self, request_id: int, reason: str | None) -> None:
         """Forget a request; `reason` "abort": its client left, so its sequences stop wherever they are."""
         job = self.jobs.pop(request_id)

@@ -102,6 +102,7 @@ def parse_chat(body: dict, default_max_tokens: int) -> tuple[list[dict], dict, G
     return messages, kwargs, parse_common(body, "", default_max_tokens, key)
 
 
+# Task L9.3: check each field a client sends: a bad value is an ApiError(400) naming it (param)
 def check_fields(body: dict, allowed: set[str]) -> None:
     for name, value in body.items():
         if name in allowed or name in IGNORED:
@@ -116,6 +117,7 @@ def check_fields(body: dict, allowed: set[str]) -> None:
             raise ApiError(400, f"unknown field {name!r}: neither OpenAI's API nor vLLM defines it", name)
 
 
+# Task L9.3: check each field a client sends: a bad value is an ApiError(400) naming it (param)
 def neutral(value: object, do_nothing: tuple) -> bool:
     # 0.0 is a penalty of 0, but true is not a best_of of 1: bools only match bools
     return value is None or any(value == v and (type(value) is bool) == (type(v) is bool) for v in do_nothing)
@@ -243,6 +245,7 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode()
 
 
+# Task L9.3: check each field a client sends: a bad value is an ApiError(400) naming it (param)
 def stop_strings(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -254,6 +257,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
+# Task L9.3: check each field a client sends: a bad value is an ApiError(400) naming it (param)
 def integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -264,6 +268,7 @@ def integer(body: dict, name: str, default: int | None, low: int, high: int | No
     return value
 
 
+# Task L9.3: check each field a client sends: a bad value is an ApiError(400) naming it (param)
 def number(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
@@ -274,6 +279,7 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     return float(value)
 
 
+# Task L9.3: check each field a client sends: a bad value is an ApiError(400) naming it (param)
 def boolean(body: dict, key: str, name: str | None = None) -> bool:
     value = body.get(key)
     if value is None:

@@ -13,6 +13,7 @@ import time
 import uuid
 
 
+# Task L9.4: OpenAI's response, its stream chunks and the SSE framing (data: {json}, blank line)
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -34,6 +35,7 @@ class ResponseShape:
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
+    # Task L9.4: OpenAI's response, its stream chunks and the SSE framing (data: {json}, blank line)
     def whole(self, texts: list[str], tokens: list[list[int]], finishes: list[str], prompt_ids: list[int],
               completion_tokens: int) -> dict:
         choices = []
@@ -52,6 +54,7 @@ class ResponseShape:
             out["prompt_token_ids"] = prompt_ids
         return out
 
+    # Task L9.4: OpenAI's response, its stream chunks and the SSE framing (data: {json}, blank line)
     def chunk(self, index: int, text: str | None, token_ids: list[int], finish: str | None, include_usage: bool,
               first: bool = False, generated: int | None = None) -> dict:
         """One choice's piece. Chat: the first chunk of a choice gives the role, the others only content.
@@ -73,6 +76,7 @@ class ResponseShape:
             out["usage"] = None
         return out
 
+    # Task L9.4: OpenAI's response, its stream chunks and the SSE framing (data: {json}, blank line)
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         out["usage"] = usage(prompt_tokens, completion_tokens)

@@ -15,6 +15,7 @@ class StopStringMatcher:
         self.held = ""  # text not yet released: it could be the beginning of a stop string
         self.stopped = False
 
+    # Task L9.2: stop strings across pieces: release what can no longer start one, hold a suffix that might
     def push(self, piece: str) -> str:
         """Append `piece`; return the text now safe to release. After a match, `stopped` is set and the text
         before the stop string is the last ever returned."""
@@ -32,11 +33,13 @@ class StopStringMatcher:
         self.held = text[len(text) - keep:] if keep else ""
         return text[: len(text) - keep]
 
+    # Task L9.2: stop strings across pieces: release what can no longer start one, hold a suffix that might
     def flush(self) -> str:
         """The output ended without a stop string: what was held is plain text after all."""
         text, self.held = self.held, ""
         return "" if self.stopped else text
 
+    # Task L9.2: stop strings across pieces: release what can no longer start one, hold a suffix that might
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
         best = 0

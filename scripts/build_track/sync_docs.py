@@ -1,19 +1,21 @@
-"""Maintainers: write each lesson doc's generated Tasks section (`course.py tasks LN --markdown`) in place, just before
-its smoke section: `python scripts/build_track/sync_docs.py [L2 L3 ...]` (default: every lesson with tasks)."""
+"""Maintainers: write each lesson doc's Tasks section, generated from the markers, before its smoke section.
+
+`python scripts/build_track/sync_docs.py [L2 L3 ...]` (default: every lesson with tasks); the section is what
+`python scripts/course.py tasks LN --markdown` prints, and tests/test_build_track.py holds each doc to it."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
-from course import ROOT, markdown  # noqa: E402
-from build_track.tasks import lesson_folder, lesson_tasks, lessons  # noqa: E402
+from course import ROOT, doc_for, markdown  # noqa: E402
+from build_track.tasks import TaskError, lesson_tasks, lessons  # noqa: E402
 
 HEADING = "\n## Tasks: build it yourself"
 
 
 def sync(lesson: int) -> bool:
-    doc = ROOT / "docs" / f"{lesson_folder(ROOT, lesson).name}.md"
+    doc = doc_for(lesson)
     text = doc.read_text()
     if (start := text.find(HEADING)) >= 0:
         text = text[:start] + text[text.index("\n## ", start + 1):]
@@ -25,6 +27,15 @@ def sync(lesson: int) -> bool:
 
 
 if __name__ == "__main__":
-    wanted = [int(a.lstrip("Ll")) for a in sys.argv[1:]] or [n for n in lessons(ROOT) if lesson_tasks(ROOT, n)]
+    from course import lesson_number
+    from shared.cli import OneLineParser
+
+    parser = OneLineParser(prog="sync_docs.py", description=__doc__.split("\n")[0])
+    parser.add_argument("lessons", nargs="*", help="L2 L3 ... (default: every lesson with tasks)")
+    args = parser.parse_args()
+    try:
+        wanted = [lesson_number(a) for a in args.lessons] or [n for n in lessons(ROOT) if lesson_tasks(ROOT, n)]
+    except TaskError as e:
+        parser.error(str(e))
     for n in wanted:
         print(f"L{n}: {'written' if sync(n) else 'unchanged'}")

@@ -27,6 +27,7 @@ class DecodePlan:
     max_pages: int
 
 
+# Task L3.6: the batched CPU path: decode page tables padded to one rectangle + key mask, one SDPA call
 def plan_decodes(meta: BatchMeta, requests: list[int]) -> DecodePlan:
     """Pad the page tables of `requests` (each feeding one token) to the longest one's page count."""
     s, device = meta.block_size, meta.positions.device
@@ -79,6 +80,7 @@ class PageBuffers:
         return self.reuse("k32", k, n, torch.float32).copy_(k), self.reuse("v32", v, n, torch.float32).copy_(v)
 
 
+# Task L3.6: the batched CPU path: decode page tables padded to one rectangle + key mask, one SDPA call
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, p: DecodePlan) -> torch.Tensor:
     """q [B_dec, Hq, D], one token per request; k_pages, v_pages [B_dec * max_pages, S, Hkv, D], the
     padded page table's pages in order -> [B_dec, Hq, D].
@@ -107,6 +109,7 @@ class BatchedBackend:
         self._prefills: list[tuple[int, int, torch.Tensor]] = []  # (first row, end row, history slots)
         self._buffers = PageBuffers()
 
+    # Task L3.6: the batched CPU path: decode page tables padded to one rectangle + key mask, one SDPA call
     def plan(self, meta: BatchMeta) -> None:
         q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
         decodes = [b for b, n in enumerate(q_lens) if n == 1]
@@ -118,6 +121,7 @@ class BatchedBackend:
         ]
         self._planned = meta
 
+    # Task L3.6: the batched CPU path: decode page tables padded to one rectangle + key mask, one SDPA call
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         if meta is not self._planned:  # a stale plan would silently attend over last step's pages
             raise RuntimeError("run() called with metadata that was not planned: call plan(meta) first")

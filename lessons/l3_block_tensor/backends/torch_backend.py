@@ -11,6 +11,7 @@ from lessons.l3_block_tensor.batch_meta import BatchMeta
 from shared.attention import causal_attention
 
 
+# Task L3.3: the oracle: expand each request's page table to flat slots, attend causally per request
 def history_slots(meta: BatchMeta, b: int) -> torch.Tensor:
     """Flat slots of request b's whole KV history, in position order: the page table, expanded."""
     s = meta.block_size
@@ -27,6 +28,7 @@ class TorchBackend:
         self._planned: BatchMeta | None = None
         self._per_request: list[tuple[int, int, torch.Tensor]] = []
 
+    # Task L3.3: the oracle: expand each request's page table to flat slots, attend causally per request
     def plan(self, meta: BatchMeta) -> None:
         device = meta.positions.device
         self._per_request = [
@@ -35,6 +37,7 @@ class TorchBackend:
         ]
         self._planned = meta
 
+    # Task L3.3: the oracle: expand each request's page table to flat slots, attend causally per request
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         if meta is not self._planned:  # a stale plan would silently attend over last step's pages
             raise RuntimeError("run() called with metadata that was not planned: call plan(meta) first")
