@@ -148,10 +148,10 @@ def copy_default_tokenizer(src: Path, dst: Path) -> None:
         shutil.copy(src / name, dst / name)
 
 
-# The build track (scripts/course.py): `--tasks L2` (or `L2.3`, or `L2.3+`) keeps only the tests marked for that lesson's tasks
+# The build track (scripts/course.py): `--tasks L2` (or `L2.3`, or `L2.3-4`) keeps only the tests marked for that lesson's tasks
 # (or that task), and `--tasks-report FILE` writes each one's outcome, with its failure in a few lines.
 def pytest_addoption(parser):
-    parser.addoption("--tasks", help="only the build track's tests of this lesson (L2), task (L2.3) or tasks from one on (L2.3+)")
+    parser.addoption("--tasks", help="only the build track's tests of this lesson (L2), task (L2.3) or tasks (L2.3-4)")
     parser.addoption("--tasks-report", help="write the task tests' outcomes to this JSON file")
 
 
@@ -161,11 +161,12 @@ def _task_of(item) -> str | None:
 
 
 def _wanted(task: str, wanted: str) -> bool:
-    """L2 (every task of L2), L2.3 (task 3), L2.3+ (tasks 3 and later)."""
-    if wanted.endswith("+"):
-        lesson, _, first = wanted[:-1].partition(".")
-        return task.startswith(lesson + ".") and int(task.split(".")[1]) >= int(first)
-    return task == wanted or task.startswith(wanted + ".")
+    """L2 (every task of L2), L2.3 (task 3), L2.3-4 (tasks 3 and 4)."""
+    lesson, _, numbers = wanted.partition(".")
+    if not task.startswith(lesson + "."):
+        return False
+    first, _, last = numbers.partition("-")
+    return not numbers or int(first) <= int(task.split(".")[1]) <= int(last or first)
 
 
 def pytest_collection_modifyitems(config, items):

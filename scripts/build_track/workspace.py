@@ -133,18 +133,18 @@ class TestResult:
 
 
 def run_tests(workspace: Path, lesson: int, task: int | None = None, timeout: float = 1800,
-              fork: bool = False, and_later: bool = False) -> list[TestResult]:
-    """Run the workspace's task tests of `lesson` (or of one task, or of one task and every later one: `and_later`)
-    in a fresh process; one result per test.
+              fork: bool = False, through: int | None = None) -> list[TestResult]:
+    """Run the workspace's task tests of `lesson` (or of one task, or of tasks `task`..`through`) in a fresh
+    process; one result per test.
     `fork`: fork this process instead of starting Python (verify's many runs; torch and pytest are imported once,
     here, and the lessons never are, so the child imports the workspace's)."""
     files = sorted({t.split("::")[0] for k in lesson_tasks(workspace, lesson) for t in k.tests
-                    if task is None or k.number == task or (and_later and k.number > task)})
+                    if task is None or task <= k.number <= (through or task)})
     if not files:
         return []
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        selected = f"L{lesson}" if task is None else f"L{lesson}.{task}" + ("+" if and_later else "")
+        selected = f"L{lesson}" if task is None else f"L{lesson}.{task}" + (f"-{through}" if through else "")
         # --tb=no: the report holds each failure's message; tracebacks of a hundred stubs took a second a run
         args = ["-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:xdist", f"--tasks={selected}",
                 f"--tasks-report={report}", *files]
@@ -235,10 +235,11 @@ def restore(workspace: Path, root: Path, lesson: int, numbers: set[int]) -> None
 
 
 def verify(root: Path, lesson: int, timeout: float = 1800) -> list[str]:
-    """Hold every task of `lesson` to its promise, as a learner meets it: with tasks 1..k filled in (the
-    reference) and the rest stubbed, task k's tests pass and every test of a later task fails, for k = 0..n.
-    (Tasks before k passed in their own state; what filling in later tasks cannot break is not run again: each
-    task's tests run once filled in, which halves the time. The whole suite runs them all with the reference.)
+    """Hold every task of `lesson` to its promise, as a learner meets it: with nothing filled in, every task's
+    tests fail (the learner's first `check`); with tasks 1..k filled in (the reference) and the rest stubbed, task
+    k's tests pass and task k+1's fail, for k = 1..n. So each task's tests fail with its stub in and everything
+    before it done, and pass once it is done with everything after it still stubbed. (Each state runs only those
+    two tasks' tests, which keeps CI's time; the whole suite runs every test with the reference.)
     Returns the problems found, one line each (none: the lesson's build track holds)."""
     tasks = lesson_tasks(root, lesson)
     problems = [f"{t.id} has no test marked for it" for t in tasks if not t.tests]
@@ -249,10 +250,12 @@ def verify(root: Path, lesson: int, timeout: float = 1800) -> list[str]:
             for path in sorted(lesson_folder(root, lesson).rglob("*.py")):  # the reference, then the later stubs
                 target = workspace / path.relative_to(root)
                 target.write_text(stub_text(path.read_text(), {t.number for t in tasks[k:]}, lesson))
-            results = run_tests(workspace, lesson, max(k, 1), timeout=timeout, fork=True, and_later=True)
+            checked = tasks if k == 0 else tasks[k - 1 : k + 1]
+            results = run_tests(workspace, lesson, None if k == 0 else k, timeout=timeout, fork=True,
+                                through=None if k == 0 else min(k + 1, len(tasks)))
             ran = {r.nodeid.split("[")[0] for r in results}
-            problems += [f"tasks 1..{k} filled in: {test} did not run" for t in tasks[max(k, 1) - 1:]
-                         for test in t.tests if test not in ran]
+            problems += [f"tasks 1..{k} filled in: {test} did not run" for t in checked for test in t.tests
+                         if test not in ran]
             for result in results:
                 number = int(result.task.split(".")[1])
                 if number <= k and not result.passed:
