@@ -13,6 +13,7 @@ Tasks are marked in the lessons' own code (`# Task L2.3: ...` above a function) 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import textwrap
 import subprocess
@@ -54,7 +55,7 @@ def markdown(lesson: int) -> str:
     """The lesson doc's Tasks section, generated from the markers (tests/test_build_track.py holds the doc to it)."""
     tasks = lesson_tasks(ROOT, lesson)
     total = sum(len(t.tests) for t in tasks)
-    below = f"L1..L{lesson - 1} complete" if lesson > 2 else ("L1 complete" if lesson == 2 else "the shared model and harness")
+    below = {1: "the shared model and harness", 2: "L1 complete"}.get(lesson, f"L1..L{lesson - 1} complete")
     intro = (
         f"`python scripts/course.py start L{lesson} --into DIR` copies the course into DIR ({below}) with "
         f"L{lesson}'s task functions stubbed: each keeps its signature and docstring (the shapes) and raises "
@@ -119,7 +120,8 @@ def cmd_check(args) -> int:
         done += ok
         if not ok and next_task is None:
             next_task = (t, next((r for r in mine if not r.passed), None))
-        print(f"  {'PASS' if ok else 'todo'}  task {t.number}: {t.names()}  {len(tests - failing)} of {len(t.tests)} tests")
+        passed = len(tests - failing)
+        print(f"  {'PASS' if ok else 'todo'}  task {t.number}: {t.names()}  {passed} of {len(t.tests)} tests")
     scope = f"task {args.task}" if args.task else f"{done} of {len(tasks)} tasks pass"
     if next_task:
         t, failed = next_task
@@ -134,7 +136,12 @@ def cmd_check(args) -> int:
     if args.task is None:
         smoke = workspace / "scripts" / f"l{lesson}_smoke.py"
         print(f"running the smoke: python scripts/{smoke.name} ...", file=sys.stderr, flush=True)
-        run = subprocess.run([sys.executable, str(smoke)], cwd=workspace, capture_output=True, text=True, timeout=1800)
+        env = {**os.environ, "PYTHONPATH": str(workspace)}  # the workspace's lessons, never the installed course's
+        try:
+            run = subprocess.run([sys.executable, str(smoke)], cwd=workspace, env=env, capture_output=True, text=True,
+                                 timeout=1800)
+        except subprocess.TimeoutExpired:
+            raise TaskError(f"the smoke ran past 30 minutes in {workspace}") from None
         tail = (run.stdout.strip().splitlines() or [""])[-1]
         print(f"the smoke (exit {run.returncode}): {tail}")
         return 0 if run.returncode == 0 else 1

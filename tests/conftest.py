@@ -74,6 +74,21 @@ def tiny_model(tiny_dir) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM.from_dir(tiny_dir, torch.float32, CPU)
 
 
+@pytest.fixture
+def fed_tokens(tiny_model, monkeypatch) -> list[int]:
+    """How many tokens each forward of the tiny model is fed, in order: parity cannot see an engine that
+    recomputes the whole history every step; this can."""
+    fed: list[int] = []
+    real_forward = type(tiny_model).forward
+
+    def counting_forward(self, input_ids, *args):
+        fed.append(len(input_ids))
+        return real_forward(self, input_ids, *args)
+
+    monkeypatch.setattr(type(tiny_model), "forward", counting_forward)
+    return fed
+
+
 class CachedHf:
     """HF generate, memoised per (prompt, stop rule): many tests compare against the same reference runs."""
 

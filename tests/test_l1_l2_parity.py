@@ -62,15 +62,7 @@ def test_other_configs(other_checkpoints, name):
 
 
 @pytest.mark.parametrize("make", [lambda m: L1Engine(m), lambda m: L2Engine(m, block_size=4)], ids=["L1", "L2"])
-def test_prefill_once_then_one_token_per_step(tiny_model, monkeypatch, make):
+def test_prefill_once_then_one_token_per_step(tiny_model, fed_tokens, make):
     """Parity cannot see an engine that recomputes the whole history every step; this can."""
-    fed: list[int] = []
-    real_forward = type(tiny_model).forward
-
-    def counting_forward(self, input_ids, *args):
-        fed.append(len(input_ids))
-        return real_forward(self, input_ids, *args)
-
-    monkeypatch.setattr(type(tiny_model), "forward", counting_forward)
     make(tiny_model).generate(list(range(100, 109)), StopRule(6, ignore_eos=True))
-    assert fed == [9, 1, 1, 1, 1, 1]
+    assert fed_tokens == [9, 1, 1, 1, 1, 1]

@@ -52,14 +52,7 @@ def test_generate_matches_hf_token_for_token(tiny_model, hf, prompt_ids):
 
 
 @pytest.mark.task("L1.3")
-def test_generate_prefills_once_then_feeds_one_token_a_step(tiny_model, monkeypatch):
-    fed: list[int] = []
-    real_forward = type(tiny_model).forward
-
-    def counting_forward(self, input_ids, *args):
-        fed.append(len(input_ids))
-        return real_forward(self, input_ids, *args)
-
-    monkeypatch.setattr(type(tiny_model), "forward", counting_forward)
+def test_generate_prefills_once_then_feeds_one_token_a_step(tiny_model, fed_tokens):
     L1Engine(tiny_model).generate(list(range(100, 109)), StopRule(4, ignore_eos=True))
-    assert fed == [9, 1, 1, 1], f"tokens fed per forward: {fed}; want the 9-token prompt once, then one token a step"
+    assert fed_tokens == [9, 1, 1, 1], (f"tokens fed per forward: {fed_tokens}; want the 9-token prompt once, then "
+                                        "one token a step")

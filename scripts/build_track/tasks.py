@@ -117,7 +117,7 @@ def lesson_tasks(root: Path, lesson: int) -> list[Task]:
             if test_lesson != lesson:
                 continue
             if number not in tasks:
-                raise TaskError(f"{test_file.name}::{name} is marked L{lesson}.{number}, a task L{lesson} does not have")
+                raise TaskError(f"{test_file.name}::{name} is marked L{lesson}.{number}, a task L{lesson} lacks")
             tasks[number].tests.append(f"tests/{test_file.name}::{name}")
     return [tasks[n] for n in sorted(tasks)]
 
@@ -143,10 +143,10 @@ def stub_text(text: str, task_numbers: set[int] | None = None, lesson: int | Non
     for marked_lesson, number, title, qualname, node in marked:
         titles.setdefault(number, (title, []))[1].append(qualname)
     for marked_lesson, number, title, qualname, node in marked:
-        if (task_numbers is not None and number not in task_numbers) or (lesson is not None and marked_lesson != lesson):
+        if (task_numbers is not None and number not in task_numbers) or (lesson not in (None, marked_lesson)):
             continue
         body = node.body
-        has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)
+        has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str)
         start = body[0].end_lineno + 1 if has_doc else body[0].lineno
         if body[0].lineno == node.lineno:
             raise TaskError(f"`{qualname}` has its body on its def line: put it on lines of its own")
