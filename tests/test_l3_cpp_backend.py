@@ -212,7 +212,7 @@ def test_a_build_that_fails_is_one_line_after_trying_both_flag_sets(monkeypatch,
                                                              r"non-zero exit status 1\.\)$"):
         cpp_backend._build_and_load()
     assert tried == [list(f) for f in cpp_backend.FLAGS]  # -march=native first, then the portable build
-    assert "building the C++ paged-attention kernel" in capsys.readouterr().err
+    assert "building the C++ kernel paged_attention.cpp" in capsys.readouterr().err
 
 
 def test_smoke_without_a_compiler():

@@ -33,7 +33,7 @@ except ImportError:  # Windows: no flock; the build there takes cpp_extension's 
     fcntl = None
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-MODULE = "paged_attention_cpu"
+MODULE = "paged_attention_cpu"  # module_name(SOURCE); L14 builds a second source the same way
 # Tuned for the CPU it is built on; a compiler that does not know -march=native gets the portable build.
 FLAGS = (["-O3", "-fopenmp", "-march=native"], ["-O3", "-fopenmp"])
 BUILD_WAIT_S = 900  # another process's build takes about a minute; one that holds the lock this long is stuck
@@ -60,25 +60,29 @@ def cpu_features() -> str:
     return platform.processor()
 
 
-def _kernel_key() -> str:
+def module_name(source: Path) -> str:
+    return f"{source.stem}_cpu"
+
+
+def _kernel_key(source: Path = SOURCE) -> str:
     """Machine kind, Python, torch (a module built against one torch does not load in another) and source text:
     an edited kernel builds into a folder of its own, and undoing the edit finds the old build."""
     py = f"{sys.version_info.major}{sys.version_info.minor}"
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return f"{MODULE}-{platform.machine()}-py{py}-torch{torch.__version__}-{source}"
+    text = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return f"{module_name(source)}-{platform.machine()}-py{py}-torch{torch.__version__}-{text}"
 
 
-def build_dir(flags: Sequence[str]) -> Path:
+def build_dir(flags: Sequence[str], source: Path = SOURCE) -> Path:
     """The kernel's key plus the build's: its flags and, for a build tuned to this CPU (-march=native), the CPU's
     instruction sets. A cache shared by two CPUs (a network home, a CI cache) then never hands AVX-512 code to
     a CPU without it, which would die on an illegal instruction; a portable build is shared."""
     tuned_for = cpu_features() if "-march=native" in flags else ""
     build = hashlib.sha256(repr((list(flags), tuned_for)).encode()).hexdigest()[:8]
-    return cache_root() / "kernels" / f"{_kernel_key()}-{build}"
+    return cache_root() / "kernels" / f"{_kernel_key(source)}-{build}"
 
 
-def lock_path() -> Path:
-    return cache_root() / "kernels" / f"{_kernel_key()}.lock"
+def lock_path(source: Path = SOURCE) -> Path:
+    return cache_root() / "kernels" / f"{_kernel_key(source)}.lock"
 
 
 def load_kernel() -> ModuleType:
@@ -94,7 +98,8 @@ def load_kernel() -> ModuleType:
     return _loaded
 
 
-def _build_and_load() -> ModuleType:
+def _build_and_load(source: Path = SOURCE) -> ModuleType:
+    """Builds `source` (once per cache; its text, the CPU and the flags key the folder) and loads it."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"no C++ compiler ({compiler}) on PATH")
@@ -106,36 +111,37 @@ def _build_and_load() -> ModuleType:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ['PATH']}"
     from torch.utils import cpp_extension
 
-    lock_path().parent.mkdir(parents=True, exist_ok=True)
-    built = bool([so for flags in FLAGS for so in build_dir(flags).glob(f"{MODULE}*.so")])
-    with _one_builder(lock_path(), announce=not built) as locked:
+    module = module_name(source)
+    lock_path(source).parent.mkdir(parents=True, exist_ok=True)
+    built = bool([so for flags in FLAGS for so in build_dir(flags, source).glob(f"{module}*.so")])
+    with _one_builder(lock_path(source), announce=not built) as locked:
         if not built:
-            print(f"building the C++ paged-attention kernel into {build_dir(FLAGS[0])} (once; about a minute)",
+            print(f"building the C++ kernel {source.name} into {build_dir(FLAGS[0], source)} (once; about a minute)",
                   file=sys.stderr, flush=True)
         error = ""
         for flags in FLAGS:
-            folder = build_dir(flags)
+            folder = build_dir(flags, source)
             folder.mkdir(exist_ok=True)
             if locked:  # nobody else is building: a `lock` here was left by a build that was killed, and
                 (folder / "lock").unlink(missing_ok=True)  # cpp_extension would wait on it forever
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises below
-                    return cpp_extension.load(MODULE, [str(staged_source(folder))], extra_cflags=list(flags),
+                    return cpp_extension.load(module, [str(staged_source(folder, source))], extra_cflags=list(flags),
                                               extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
             except Exception as e:  # a compiler failing its version check, a compile error, a module that won't load
                 error = _first_error(str(e))
     raise KernelUnavailable(f"the C++ kernel did not build ({error})")
 
 
-def staged_source(folder: Path) -> Path:
+def staged_source(folder: Path, source: Path = SOURCE) -> Path:
     """The kernel's source, copied into its build folder (the folder's name holds the source's hash). ninja keys a
     build by its command line, which names the source file: built from SOURCE itself, the same kernel in two trees
     (a fresh clone, a test's scratch copy) would rebuild each time the other had built it."""
-    staged = folder / SOURCE.name
-    text = SOURCE.read_bytes()
+    staged = folder / source.name
+    text = source.read_bytes()
     if not staged.is_file() or staged.read_bytes() != text:
-        partial = folder / f".{SOURCE.name}.{os.getpid()}"
+        partial = folder / f".{source.name}.{os.getpid()}"
         partial.write_bytes(text)
         partial.replace(staged)  # atomic: a reader sees the old file or the whole new one
     return staged
