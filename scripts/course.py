@@ -196,7 +196,7 @@ def main() -> int:
         if name == "verify":
             s.add_argument("lessons", nargs="*", help="L2 L3 ... (default: every lesson)")
             continue
-        s.add_argument("lesson", help="L1 .. L13")
+        s.add_argument("lesson", help="L1 .. L14")
         if name == "tasks":
             s.add_argument("--markdown", action="store_true", help="the doc's Tasks section")
         if name == "start":

@@ -52,6 +52,13 @@ def cpp_kernel_built(request) -> None:
         load_kernel()
     except KernelUnavailable:
         pass
+    if any(item.path.name.startswith("test_l14") for item in request.session.items):  # L14's ops: a second build
+        from lessons.l14_batch_invariant.ops import load_ops
+
+        try:
+            load_ops()
+        except KernelUnavailable:
+            pass
 
 
 @pytest.fixture(scope="session")
