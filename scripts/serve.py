@@ -7,6 +7,7 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py --speculative ngram  # L11: drafts guessed by prompt lookup, checked each step
     python scripts/serve.py --kv-dtype int8      # L12: K and V stored as int8 with a scale per token and head
     # L13: any request may ask for JSON (response_format) or a regex or choices (structured_outputs)
+    python scripts/serve.py --batch-invariant    # L14: each request's logits bitwise the same whatever else runs
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
@@ -48,8 +49,9 @@ from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
 from lessons.l11_speculative.engine import DEFAULT_NUM_SPECULATIVE_TOKENS  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
 from lessons.l12_kv_quant.backends import int8_backend  # noqa: E402
+from lessons.l14_batch_invariant import L14Engine  # noqa: E402
 from lessons.l12_kv_quant.runner import KV_DTYPES  # noqa: E402
-from lessons.l13_structured import L13Engine, L13TpEngine  # noqa: E402
+from lessons.l13_structured import L13TpEngine  # noqa: E402
 from lessons.l13_structured.server import StructuredOutputs  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
 from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
@@ -105,6 +107,8 @@ def parser() -> OneLineParser:
                         "int8 (one fp32 scale per token and KV head) or fp8 (e4m3 pages); without --num-blocks a "
                         "quantized pool gets the bytes of the default pool in the model's dtype, so it holds more "
                         "blocks (default: auto)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="L14: a request's logits are bitwise the same whatever else the server runs (CPU, --tp 1)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
@@ -238,6 +242,9 @@ def build(args) -> tuple[Server, socket.socket]:
     check_speculation(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.batch_invariant and args.tp != 1:
+        raise CourseError(f"--batch-invariant runs at --tp 1, not {args.tp}: ranks that split a matmul add their "
+                          f"partial sums in another order than one rank does")
     if args.kv_dtype == "int8":  # int8 pages are read by the C++ CPU kernel or the torch oracle: say so before loading
         int8_backend(args.backend, device)
     model_dir = resolve_model_dir(args.model, default_model_dir)
@@ -252,9 +259,11 @@ def build(args) -> tuple[Server, socket.socket]:
     else:  # L10: rank 0 (this process) serves; the other ranks follow its steps
         check_tp(config, args.tp)
         model = TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
-    # L13's engine, which is L12's (L11's drafts, a quantized pool) taking grammars. A request without one, on a
-    # server without --speculative or --kv-dtype, runs L9's step exactly (L10's at --tp > 1).
-    engine_class = L13Engine if args.tp == 1 else L13TpEngine
+    # L14's engine: L13's (L12's pool, L11's drafts, grammars) with a batch-invariant mode, off unless asked for. A
+    # request without a grammar, on a server without --speculative, --kv-dtype or --batch-invariant, runs L9's step
+    # exactly (L10's at --tp > 1).
+    engine_class = L14Engine if args.tp == 1 else L13TpEngine
+    invariant = {"batch_invariant": True} if args.batch_invariant else {}
     speculation = {}
     if drafter is not None:  # L11: drafts in the decode rows
         speculation = dict(drafter=drafter,
@@ -266,14 +275,15 @@ def build(args) -> tuple[Server, socket.socket]:
                           graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
                           max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
                           long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation,
-                          **quantized_kv)
+                          **quantized_kv, **invariant)
     engine.stats.record_timeline = False
     kv_line = ""
     if args.kv_dtype != "auto":
         kv_line = f" · kv-dtype {args.kv_dtype} · kv-blocks {engine.allocator.num_blocks}"
     # What a benchmark's conditions line needs from the server itself: the backend `auto` resolved to, the threads.
     print(f"engine: backend {engine.runner.backend.name} · threads {torch.get_num_threads()} · device {device.type}"
-          f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}{kv_line}", flush=True)
+          f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}{kv_line}"
+          f"{' · batch-invariant' if args.batch_invariant else ''}", flush=True)
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
     served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,
