@@ -6,8 +6,8 @@ rows); as one of n = 2 siblings; over int8 pages (int8 alone against int8 in a b
 give the same tokens alone and in a batch.
 
     python scripts/l14_smoke.py                            # the embedded model, fp32 on the CPU
-    python scripts/l14_smoke.py --batch-invariant off      # the same checks on L13's default mode: they find differences
-    python scripts/l14_smoke.py --dtype bfloat16           # invariant in bf16 too (parity: ties as the rule judges them)
+    python scripts/l14_smoke.py --batch-invariant off      # the same checks in L13's default mode: differences
+    python scripts/l14_smoke.py --dtype bfloat16           # invariant in bf16 too (parity: ties as the rule has them)
 """
 from __future__ import annotations
 

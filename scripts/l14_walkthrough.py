@@ -34,7 +34,7 @@ TRACED_STEP = 2  # the decode that chooses output index 2: the request has decod
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l14_walkthrough.py", description=__doc__.splitlines()[0])
     p.add_argument("--crowd", type=int, default=8, help="other requests decoding beside it (default: 8)")
-    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
+    p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded model")
     return p
 
 

@@ -30,7 +30,8 @@ def check_invariant_setup(model: Qwen3ForCausalLM, backend: str) -> None:
         raise CourseError(f"--batch-invariant runs on the CPU here, not {weight.device.type}: on a GPU it needs "
                           f"FlashInfer with a fixed split size and a matmul without split-K (docs/L14)")
     if weight.dtype not in INVARIANT_DTYPES:
-        raise CourseError(f"--batch-invariant computes in float32 or bfloat16, not {str(weight.dtype).removeprefix('torch.')}")
+        dtype = str(weight.dtype).removeprefix("torch.")
+        raise CourseError(f"--batch-invariant computes in float32 or bfloat16, not {dtype}")
     if backend not in INVARIANT_BACKENDS:
         raise CourseError(f"--batch-invariant attends with the C++ kernel (--backend cpp or auto), not --backend "
                           f"{backend}: the torch backends pick their matmul kernels by the step's shape")

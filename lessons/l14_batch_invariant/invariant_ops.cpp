@@ -72,7 +72,8 @@ inline float tree8(f32x8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + 
 inline void put(float* p, float v) { *p = v; }
 inline void put(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }  // round to nearest even, as torch does
 
-// A tile of R rows x C columns of out, each entry one dot product in the fixed order above
+// A tile of R rows x C columns of out, each entry one dot product in the fixed order above: R and C decide
+// which dot products share a load, never how one is summed
 template <int R, int C, typename T>
 void tile(const T* x, const T* w, T* out, int64_t k, int64_t n) {
   f32x8 acc[R][C] = {};
@@ -87,7 +88,8 @@ void tile(const T* x, const T* w, T* out, int64_t k, int64_t n) {
   }
   if (body < k) {
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = fma8(load_tail(x + r * k + body, k - body), load_tail(w + c * k + body, k - body), acc[r][c]);
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = fma8(load_tail(x + r * k + body, k - body), load_tail(w + c * k + body, k - body), acc[r][c]);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) put(out + r * n + c, tree8(acc[r][c]));
