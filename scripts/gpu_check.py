@@ -7,7 +7,9 @@
 Every lesson's smoke on CUDA in bf16 (L3 on: with the FlashInfer and the torch backend; L7 on: graphs on and
 off; L10 and L11 on two GPUs over NCCL when there are two), `scripts/benchmark/l7_bench.py` (eager vs replayed decode steps), `scripts/benchmark/l8_bench.py --quick`
 (the token-budget sweep, where chunking should cost some throughput, unlike on a CPU), L12's fp8 pages read by FlashInfer
-(`--l12-fp8`: an engine run and the teacher-forced quality), and the FlashInfer contract tests, on the embedded
+(`--l12-fp8`: an engine run and the teacher-forced quality), L14's GPU invariance probe (`scripts/checks/gpu_invariance.py`:
+cuBLAS rows against M, FlashInfer decode with and without a fixed split; L14's smoke runs with --batch-invariant off,
+its mode being the CPU's), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. L12's smoke runs with --kv-dtype auto (its int8 pages are CPU-only). L13's smoke (grammar masks on CUDA logits,
 HF generate with the same mask as the reference, then the server) runs on one GPU with each backend. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
@@ -46,7 +48,7 @@ class Check:
 
 def smoke_options(script: Path) -> set[str]:
     help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT).stdout
-    return {opt for opt in ("--backend", "--graphs", "--tp", "--kv-dtype") if opt in help_text}
+    return {opt for opt in ("--backend", "--graphs", "--tp", "--kv-dtype", "--batch-invariant") if opt in help_text}
 
 
 def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> list[Check]:
@@ -61,6 +63,8 @@ def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> lis
                 base += ("--tp", str(max(1, min(2, gpus))))  # a dry run without a GPU shows --tp 1
             if "--kv-dtype" in opts:
                 base += ("--kv-dtype", "auto")  # int8 pages are read on the CPU only; fp8 has its own check below
+            if "--batch-invariant" in opts:  # L14's mode runs on the CPU; on CUDA its engine is L13's, and the
+                base += ("--batch-invariant", "off")  # GPU's recipe is measured by the probe below
             variants: list[tuple[str, list[str]]] = [("", [])]
             if "--backend" in opts:
                 variants = [(" flashinfer", ["--backend", "flashinfer"]), (" torch", ["--backend", "torch"])]
@@ -73,6 +77,7 @@ def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> lis
         checks.append(Check("l8_bench", label, ("scripts/benchmark/l8_bench.py", "--device", "cuda", "--quick", "--no-png",
                                                 *model_args), "bench"))
         checks.append(Check("L12 fp8", label, ("scripts/gpu_check.py", "--l12-fp8", *model_args), "bench"))
+    checks.append(Check("L14 GPU invariance probe", "-", ("scripts/checks/gpu_invariance.py",), "bench"))
     checks.append(Check("FlashInfer contract tests", "-", ("-m", "pytest", "-q", *CONTRACT_TESTS), "pytest"))
     return checks
 

@@ -25,11 +25,12 @@ def test_without_cuda_it_refuses_in_one_line_with_exit_2():
 
 
 def options():
-    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 on --graphs, L10 to L12
-    --tp, L12 --kv-dtype (L13's smoke has neither: one rank, the model's own KV dtype)."""
+    """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 to L13 --graphs, L10 to L12
+    --tp, L12 --kv-dtype (L13's smoke has neither: one rank, the model's own KV dtype), L14 --batch-invariant."""
     def takes(n: int) -> set[str]:
-        return {opt for opt, first, last in (("--backend", 3, 99), ("--graphs", 7, 99), ("--tp", 10, 12),
-                                             ("--kv-dtype", 12, 12)) if first <= n <= last}
+        return {opt for opt, first, last in (("--backend", 3, 99), ("--graphs", 7, 13), ("--tp", 10, 12),
+                                             ("--kv-dtype", 12, 12), ("--batch-invariant", 14, 14))
+                if first <= n <= last}
 
     return {s: takes(int(s.name[1:].split("_")[0])) for s in discover(ROOT / "scripts")}
 
@@ -44,7 +45,10 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
     for lesson in ("L7", "L8", "L9", "L10", "L11", "L12", "L13"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 7 * 3 == len(set(names))
+    assert {"L14 flashinfer", "L14 torch"} <= set(names)
+    assert len(smokes) == 2 + 2 * 4 + 7 * 3 + 2 == len(set(names))
+    # L14's mode runs on the CPU: on CUDA its smoke checks L13's engine's parity; the probe measures the GPU's recipe
+    assert all(c.argv[c.argv.index("--batch-invariant") + 1] == "off" for c in smokes if c.name.startswith("L14"))
     # int8 pages are read by the CPU kernel only: on CUDA, L12's smoke checks HF parity in the model's dtype
     assert all(c.argv[c.argv.index("--kv-dtype") + 1] == "auto" for c in smokes if c.name.startswith("L12"))
     tp = {c.argv[c.argv.index("--tp") + 1] for c in smokes if "--tp" in c.argv}
@@ -54,6 +58,7 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
         "python scripts/benchmark/l7_bench.py --device cuda",
         "python scripts/benchmark/l8_bench.py --device cuda --quick --no-png",
         "python scripts/gpu_check.py --l12-fp8",
+        "python scripts/checks/gpu_invariance.py",
         "python -m pytest -q tests/test_l3_flashinfer_contract.py tests/test_l7_flashinfer_contract.py "
         "tests/test_l8_flashinfer_contract.py tests/test_l12_fp8.py"]
 
@@ -72,7 +77,7 @@ def test_l13s_smoke_is_planned_from_its_own_help_on_cuda_with_each_backend():
 def test_a_model_repeats_every_check_but_the_contract_tests_on_that_checkpoint():
     base, with_model = plan(None, options()), plan("/ckpt", options())
     mine = [c for c in with_model if c.model == "/ckpt"]
-    assert len(with_model) == 2 * len(base) - 1 and len(mine) == len(base) - 1
+    assert len(with_model) == 2 * len(base) - 2 and len(mine) == len(base) - 2  # the probe and the tests: once
     assert all(c.argv[c.argv.index("--model") + 1] == "/ckpt" for c in mine)
     assert sum(c.kind == "pytest" for c in with_model) == 1
 
@@ -101,8 +106,8 @@ def test_the_report_is_markdown_with_every_check_its_result_and_the_bench_table(
     assert len(rows) == len(checks)
     assert "| L3 torch | embedded | FAIL | 1.2 | `python scripts/l3_smoke.py --json --device cuda --dtype bfloat16 " \
            "--backend torch` | a \\| note |" in rows
-    benches = sum(c.kind == "bench" for c in checks)  # l7_bench, l8_bench, L12 fp8: each output in its own fenced block
-    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2 * benches == 6
+    benches = sum(c.kind == "bench" for c in checks)  # l7_bench, l8_bench, L12 fp8, L14's probe: a fenced block each
+    assert "1 1 0.50 0.20 0.40" in text and text.count("```") == 2 * benches == 8
 
 
 @pytest.mark.parametrize("argv, message", [(["--model", " "], "--model is empty"), (["--bogus"], "unrecognized")])
@@ -110,3 +115,16 @@ def test_bad_options_are_one_line_exit_2(argv, message):
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", *argv], capture_output=True, text=True, cwd=ROOT,
                        env=NO_CUDA)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_the_gpu_invariance_probe_refuses_a_machine_without_cuda_in_one_line():
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the probe would measure")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "checks" / "gpu_invariance.py")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == "error: gpu_invariance.py measures on a CUDA GPU; torch sees none here\n"
