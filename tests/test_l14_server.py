@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import openai
+import pytest
 
 from shared.config import Qwen3Config
 from shared.generation import StopRule
@@ -29,6 +30,7 @@ async def complete(url: str, model: str, requests: list[dict]) -> list[list[int]
         return await asyncio.gather(*(one(dict(r)) for r in requests))
 
 
+@pytest.mark.slow  # a server start; the mode itself is tests/test_l14_invariance.py's
 def test_a_seeded_request_samples_the_same_alone_and_in_a_crowd(tokenizer, hf, tiny_dir):
     needle = {"prompt": NEEDLE, "temperature": 1.0, "seed": 7}
     crowd = [{"prompt": p, "temperature": 1.0, "seed": i} for i, p in enumerate(OTHERS)]

@@ -258,3 +258,13 @@ def test_the_chat_set_is_rendered_by_the_checkpoints_own_template():
     assert len(prompts) == len(pm.CHAT_QUESTIONS)
     for question, prompt in zip(pm.CHAT_QUESTIONS, prompts):
         assert f"<|im_start|>user\n{question}<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n"), prompt
+
+
+def test_l14_runs_at_the_largest_block_size_in_both_prompt_sets():
+    """L14's engine is L13's with another matmul: its block tables are L13's, and tests/test_l14_invariance.py sweeps
+    what the mode adds. 4 cells, one of them the no-argument run's (which .ci/run's suite has made)."""
+    l14 = ROOT / "scripts" / "l14_smoke.py"
+    cells = pm.grid({l14: True}, ["float32", "bfloat16"], pm.DEFAULT_PROMPT_SETS, [1, 7, 16])
+    assert sorted((c.dtype, c.prompts, c.block_size) for c in cells) == [
+        ("bfloat16", "default", 16), ("bfloat16", "unicode", 16), ("float32", "default", 16), ("float32", "unicode", 16)]
+    assert pm.no_arg_cell(l14, "--block-size BLOCK_SIZE  tokens per KV block (default: 16)", on_cuda=False) in cells

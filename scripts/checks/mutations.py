@@ -47,6 +47,7 @@ L3_PARITY = ("tests/test_l3_engine.py::test_batch_matches_hf_alone",)
 REQ = "lessons/l2_token_flat/request.py"
 META = "lessons/l3_block_tensor/batch_meta.py"
 CPP = "lessons/l3_block_tensor/backends/paged_attention.cpp"
+L14_OPS = "lessons/l14_batch_invariant/invariant_ops.cpp"
 L4S = "lessons/l4_continuous/scheduler.py"
 L5S = "lessons/l5_preemption/scheduler.py"
 HOST = "lessons/l5_preemption/host_pool.py"
@@ -499,4 +500,30 @@ MUTATIONS: list[Mutation] = [
              "grammar = await asyncio.wait_for(run_in_threadpool(self.compile, spec), COMPILE_TIMEOUT_S)",
              "grammar = await run_in_threadpool(self.compile, spec)",
              (f"{L13_SERVER}::test_a_compile_past_its_deadline_is_a_400_that_frees_everything",)),
+    Mutation("l14-ex-gemv-row", "L14 batch invariance", "a one-row fast path in the invariant matmul sums its eight "
+             "partial sums left to right instead of the tree: a row alone rounds unlike the same row in a tile "
+             "(docs/l14_batch_invariant.md, exercise)", L14_OPS,
+             "    for (int c = 0; c < C; ++c) put(out + r * n + c, tree8(acc[r][c]));",
+             "    for (int c = 0; c < C; ++c)\n      put(out + r * n + c, R == 1 ? [](f32x8 v) { float s = 0; for (int j = 0; "
+             "j < kVec; ++j) s += v[j]; return s; }(acc[r][c]) : tree8(acc[r][c]));",
+             ("tests/test_l14_ops.py", "-k", "linear_rows")),
+    Mutation("l14-rms-split-by-batch", "L14 batch invariance", "the invariant RMSNorm groups a row's partial sums "
+             "another way when the batch has more than one row: a batch-dependent split", L14_OPS,
+             "const float scale = 1.0f / std::sqrt(tree8(acc) / static_cast<float>(e) + eps);",
+             "const float scale = 1.0f / std::sqrt(tree8(rows > 1 ? __builtin_shufflevector(acc, acc, 1, 2, 3, 4, 5, "
+             "6, 7, 0) : acc) / static_cast<float>(e) + eps);",
+             ("tests/test_l14_ops.py", "-k", "rms_norm")),
+    Mutation("l14-decode-attention-backwards", "L14 batch invariance", "L3's kernel gives items of one query row per "
+             "head group (decodes) their own path, adding the page's V rows last to first: accurate, but a decode "
+             "row and the same prompt row differ in the last bits", CPP,
+             "      for (int64_t t = 0; t < n; ++t) {\n        const VT* row = v + t * stride + i0;",
+             "      for (int64_t j = 0; j < n; ++j) {\n        const int64_t t = lanes <= 2 ? n - 1 - j : j;\n"
+             "        const VT* row = v + t * stride + i0;",
+             ("tests/test_l14_ops.py::test_attention_rows_are_the_same_whole_sliced_decoded_and_in_a_crowd",)),
+    Mutation("l14-twin-keeps-lm-head", "L14 batch invariance", "the model's twin swaps every Linear but the LM head: "
+             "the vocabulary projection stays torch's, whose kernel depends on how many rows get logits",
+             "lessons/l14_batch_invariant/model.py", "if isinstance(child, nn.Linear):",
+             'if isinstance(child, nn.Linear) and name != "lm_head":',
+             ("tests/test_l14_invariance.py::test_needle_alone_equals_needle_among_64_fillers_anywhere",
+              "tests/test_l14_tasks.py::test_the_twin_shares_every_weight_and_leaves_the_model_alone")),
 ]

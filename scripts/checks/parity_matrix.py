@@ -125,8 +125,12 @@ L8_BLOCK_TABLES = {"L9", "L10"}
 # the same requests through scripts/serve.py. Its smoke makes 64 new tokens with no arguments (the JSON needs about
 # 45), the matrix 20: the no-argument run judges every one of its positions, so the cell it stands for (fp32,
 # default prompts and block size, 20 tokens) is that run's first 20, with the same batch at every step.
+# L14's engine is L13's with another matmul and RMSNorm (batch-invariant, its smoke's default): the block tables,
+# pool and runner are L13's, and tests/test_l14_invariance.py sweeps what the mode adds (slices of every size, batch
+# sizes 1 to 17, prefixes up to 4,000 tokens) far past three block sizes; its 4 cells judge parity and the seven
+# invariance checks in each dtype and prompt set.
 SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py", "L12": "tests/test_l11_invariants.py",
-                  "L13": "tests/test_l11_invariants.py"}
+                  "L13": "tests/test_l11_invariants.py", "L14": "tests/test_l14_invariance.py"}
 LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS)
 # A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
 # verify row of up to K drafts that cross block boundaries and roll back, in each dtype (the n-gram drafter of
