@@ -25,8 +25,9 @@ from lessons.l14_batch_invariant.record import first_difference, run_recorded
 from shared.generation import StopRule
 from conftest import assert_same_tokens
 from test_l3_cpp_backend import needs_kernel
+from test_l14_ops import needs_ops
 
-pytestmark = needs_kernel
+pytestmark = [needs_kernel, needs_ops]
 STOP = StopRule(6, ignore_eos=True)
 NEEDLE = ("The capital of France is a city whose long history of kings, revolutions and artists shaped the way "
           "Europe thinks about")
@@ -68,7 +69,6 @@ def test_needle_alone_equals_needle_among_64_fillers_anywhere(tiny_model, needle
         assert_equal([batch.logits[at]], reference, f"trial {trial}, the needle at {at} of 65")
 
 
-@pytest.mark.task("L14.4")
 def test_greedy_tokens_equal_hf_in_the_mode(tiny_model, prompt_ids, hf):
     stop = StopRule(12, frozenset(tiny_model.config.eos_token_ids))
     outputs = engine(tiny_model).generate_batch(prompt_ids, stop)
@@ -76,7 +76,6 @@ def test_greedy_tokens_equal_hf_in_the_mode(tiny_model, prompt_ids, hf):
         assert_same_tokens(got, hf.generate(ids, stop).tokens, f"prompt {i}")
 
 
-@pytest.mark.task("L14.4")
 def test_preempted_and_recomputed_requests_keep_their_logits(tiny_model):
     """Recompute is the only policy from L6 on (swap would need ref-counted host blocks): the recomputed prompt and
     outputs are prompt rows now, decode rows before."""
@@ -102,7 +101,6 @@ def test_verify_rows_equal_plain_decode_rows(tiny_model, needle, drafter):
     assert_equal(got.logits, reference, f"speculation, the model's {drafter} drafting")
 
 
-@pytest.mark.task("L14.4")
 def test_static_decode_path_int8_pages_and_two_threads(tiny_model):
     prompts = random_prompts(5, seed=11)
     reference = alone(tiny_model, prompts, graphs=False)
@@ -120,7 +118,6 @@ def test_static_decode_path_int8_pages_and_two_threads(tiny_model):
                  int8_reference, "int8 pages")
 
 
-@pytest.mark.task("L14.4")
 def test_seeded_siblings_sample_as_each_seed_alone(tiny_model, needle):
     def seeded(seed: int) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
@@ -134,7 +131,6 @@ def test_seeded_siblings_sample_as_each_seed_alone(tiny_model, needle):
     assert_equal(got.logits, [r.logits[0] for r in solo], "seeded siblings")
 
 
-@pytest.mark.task("L14.4")
 def test_the_inverse_default_mode_differs_somewhere(tiny_model, needle):
     """vLLM's inverse test: the same comparisons, mode off, must find a difference on this CPU, or the tests above
     could not see one. Torch's matmul picks its kernel by M: a row alone and in a batch round differently."""

@@ -16,11 +16,20 @@ import torch.nn.functional as F
 
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import cpp_backend
+from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l14_batch_invariant.model import InvariantLinear, InvariantRMSNorm
 from lessons.l14_batch_invariant.ops import load_ops
 from shared.layers import RMSNorm
 from test_l3_cpp_backend import needs_kernel
+
+try:
+    load_ops()
+    UNAVAILABLE = None
+except KernelUnavailable as e:
+    UNAVAILABLE = str(e)
+needs_ops = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"L14's C++ ops are unavailable: {UNAVAILABLE}")
+pytestmark = needs_ops
 
 CPU = torch.device("cpu")
 ROW_COUNTS = [1, 2, 3, 4, 5, 8, 16, 17, 63, 64, 65, 130]  # torch's kernels change at 2 and 4; our tiles at 4 and 64

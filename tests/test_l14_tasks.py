@@ -18,6 +18,7 @@ from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.layers import RMSNorm
 from test_l3_cpp_backend import needs_kernel
+from test_l14_ops import needs_ops
 
 
 def bits(x: float) -> int:
@@ -55,7 +56,7 @@ def test_the_record_keeps_the_row_each_output_token_was_chosen_from(tiny_model, 
         assert rows.argmax(-1).tolist() == tokens
 
 
-@needs_kernel
+@needs_ops
 @pytest.mark.task("L14.3")
 def test_the_twin_shares_every_weight_and_leaves_the_model_alone(tiny_model):
     twin = invariant_model(tiny_model)
@@ -74,6 +75,7 @@ def test_the_twin_shares_every_weight_and_leaves_the_model_alone(tiny_model):
 
 
 @needs_kernel
+@needs_ops
 @pytest.mark.task("L14.4")
 def test_the_mode_is_a_choice_and_refuses_what_it_cannot_make_invariant(tiny_model, tiny_dir):
     assert L14Engine(tiny_model, 16).model is tiny_model  # off: L13's engine on the model as given
