@@ -43,22 +43,36 @@ def cpp_kernel_built(request) -> None:
     """Build L3's C++ attention kernel (about a minute, once per cache) before the first test, so no test, and
     no smoke or server a test starts under a timeout, pays for the build. Where it cannot build, `auto` takes
     the batched backend and the kernel's own tests skip, saying why. Skipped when every collected test is
-    L1's or L2's."""
+    L1's or L2's. With L14's tests collected its ops build too (half a minute): under xdist the second worker
+    builds them while the first builds the kernel, then each loads the other's build."""
     if all(item.path.name in NO_KERNEL for item in request.session.items):
         return
     from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable, load_kernel
 
-    try:
-        load_kernel()
-    except KernelUnavailable:
-        pass
-    if any(item.path.name.startswith("test_l14") for item in request.session.items):  # L14's ops: a second build
+    builds = [load_kernel]
+    if any(item.path.name.startswith("test_l14") for item in request.session.items):
         from lessons.l14_batch_invariant.ops import load_ops
 
+        builds.append(load_ops)
+        if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+            builds.reverse()
+    for build in builds:
         try:
-            load_ops()
+            build()
         except KernelUnavailable:
             pass
+
+
+@pytest.fixture(scope="session")
+def l14_ops():
+    """L14's compiled ops, or a skip saying why they cannot build here."""
+    from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable
+    from lessons.l14_batch_invariant.ops import load_ops
+
+    try:
+        return load_ops()
+    except KernelUnavailable as e:
+        pytest.skip(f"L14's C++ ops are unavailable: {e}")
 
 
 @pytest.fixture(scope="session")

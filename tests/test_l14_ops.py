@@ -16,19 +16,13 @@ import torch.nn.functional as F
 
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import cpp_backend
-from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l14_batch_invariant.model import InvariantLinear, InvariantRMSNorm
 from lessons.l14_batch_invariant.ops import load_ops
 from shared.layers import RMSNorm
 from test_l3_cpp_backend import needs_kernel
 
-try:
-    load_ops()
-    UNAVAILABLE = None
-except KernelUnavailable as e:
-    UNAVAILABLE = str(e)
-needs_ops = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"L14's C++ ops are unavailable: {UNAVAILABLE}")
+needs_ops = pytest.mark.usefixtures("l14_ops")  # built on first use (tests/conftest.py), or every test skips
 pytestmark = needs_ops
 
 CPU = torch.device("cpu")

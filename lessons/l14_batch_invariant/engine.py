@@ -28,7 +28,8 @@ def check_invariant_setup(model: Qwen3ForCausalLM, backend: str) -> None:
     weight = model.lm_head.weight
     if weight.device.type != "cpu":
         raise CourseError(f"--batch-invariant runs on the CPU here, not {weight.device.type}: on a GPU it needs "
-                          f"FlashInfer with a fixed split size and a matmul without split-K (docs/L14)")
+                          f"FlashInfer with a fixed split size and a matmul without split-K "
+                          f"(docs/l14_batch_invariant_appendix.md, 'On a GPU')")
     if weight.dtype not in INVARIANT_DTYPES:
         dtype = str(weight.dtype).removeprefix("torch.")
         raise CourseError(f"--batch-invariant computes in float32 or bfloat16, not {dtype}")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lessons.l14_batch_invariant.ops import load_ops
+from shared.errors import CourseError
 from shared.layers import RMSNorm
 from shared.model import Qwen3ForCausalLM
 
@@ -25,6 +26,8 @@ class InvariantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        if linear.bias is not None:  # no Qwen3 or Llama projection has one; a model that did would lose it silently
+            raise CourseError("the batch-invariant matmul takes Linears without bias")
         self.weight = linear.weight
         self.ops = load_ops()
 

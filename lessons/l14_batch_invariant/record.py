@@ -27,12 +27,16 @@ class LogitsRecord:
         choose = engine.choose
 
         def recording(logits: torch.Tensor, groups: list) -> list[list[int]]:
-            wanted = [(seq, rows, logits[rows.start:rows.stop].clone()) for seq, rows, _ in groups if keep(seq)]
-            emitted = choose(logits, groups)  # L13 masks rows in place: the copies above are what the model gave
-            for (seq, rows, copy), tokens in zip(wanted, (e for (s, _, _), e in zip(groups, emitted) if keep(s))):
-                # a plain group has one row; a verify group's rows past the target's own token saw rejected drafts
+            # copied before choose: L13 masks rows in place, and the record holds what the model gave
+            copies = [logits[rows.start:rows.stop].clone() if keep(seq) else None for seq, rows, _ in groups]
+            emitted = choose(logits, groups)
+            for (seq, _, _), copy, tokens in zip(groups, copies, emitted):
+                if copy is None:
+                    continue
+                # a plain group has one row; a verify group's rows past the target's own token saw rejected drafts.
+                # The tokens are committed after choose: output_ids does not hold them yet.
                 for j, row in enumerate(copy[:len(tokens)]):
-                    self.rows.setdefault(seq.seq_id, {})[len(seq.output_ids) + j] = row  # committed after choose
+                    self.rows.setdefault(seq.seq_id, {})[len(seq.output_ids) + j] = row
             return emitted
 
         engine.choose = recording
