@@ -26,6 +26,7 @@ from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.smoke import exit_with  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPT = "The capital of France is"
 TRACED_STEP = 2  # the decode that chooses output index 2: the request has decoded twice before, alone or not
@@ -99,8 +100,6 @@ def run(args) -> int:
         raise CourseError(f"--crowd must be at least 1, got {args.crowd}")
     model_dir = resolve_model_dir(args.model, default_model_dir)
     model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
-    from shared.tokenizer import load_tokenizer
-
     prompt = load_tokenizer(model_dir).encode(PROMPT).ids
     others = [[(7 * i + 11 * j) % 5000 + 100 for j in range(3 + i)] for i in range(args.crowd)]
     print(f"prompt {PROMPT!r} ({len(prompt)} tokens), its decode choosing output {TRACED_STEP}: alone (1 row in the "

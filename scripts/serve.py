@@ -49,10 +49,10 @@ from lessons.l11_speculative.draft_model import DraftModelDrafter  # noqa: E402
 from lessons.l11_speculative.engine import DEFAULT_NUM_SPECULATIVE_TOKENS  # noqa: E402
 from lessons.l11_speculative.ngram import NgramDrafter  # noqa: E402
 from lessons.l12_kv_quant.backends import int8_backend  # noqa: E402
-from lessons.l14_batch_invariant import L14Engine  # noqa: E402
 from lessons.l12_kv_quant.runner import KV_DTYPES  # noqa: E402
 from lessons.l13_structured import L13TpEngine  # noqa: E402
 from lessons.l13_structured.server import StructuredOutputs  # noqa: E402
+from lessons.l14_batch_invariant import L14Engine  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
 from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
