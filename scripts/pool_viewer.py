@@ -1,0 +1,205 @@
+"""See the pool: run a lesson's engine on a small workload (or read a trace) and write one self-contained page.
+
+    python scripts/pool_viewer.py                              # L6 on the embedded model -> pool.html
+    python scripts/pool_viewer.py --lesson l5 --policy swap    # preemption by swapping to host memory
+    python scripts/pool_viewer.py --lesson l11 --out spec.html # speculative decoding: drafts kept, rolled back
+    python scripts/pool_viewer.py --trace run.jsonl            # a trace a smoke or serve.py wrote (--trace)
+
+Open the page from disk: no server, no network. It shows the pool as a grid of blocks coloured by the
+request holding them (a shared block carries its reference count), each request's block table, the prefix
+cache, and each step's events in words; a slider and play walk through the steps. The page draws what
+shared/pool_replay.py rebuilt from the trace, and tests/test_pool_trace.py checks that replay against the
+engine after every step.
+
+The workload: --requests requests share a system prompt (so from L6 on later ones hit the prefix cache),
+arrive --stagger steps apart, and one is sampled n = 2 ways (from L6 on: a fork and its copy-on-write); from
+L9 on one is aborted; L11's drafts come from the target's own continuation with some made wrong, so some
+are kept and some rolled back. The pool is small enough that L5 on has to preempt.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.generation import StopRule  # noqa: E402
+from shared.pool_page import page_data, render  # noqa: E402
+from shared.pool_trace import read_trace, record_engine  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
+
+LESSONS = ("l2", "l3", "l4", "l5", "l6", "l7", "l8", "l9", "l11", "l12", "l13", "l14")  # L10: a smoke's --trace
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="pool_viewer.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lesson", default="l6", help=f"whose engine runs: {', '.join(LESSONS)} (default: l6)")
+    p.add_argument("--trace", help="read this trace (JSON lines) instead of running a workload")
+    p.add_argument("--save-trace", help="also write the run's trace here")
+    p.add_argument("--out", default="pool.html", help="the page to write (default: pool.html)")
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--num-blocks", type=int, default=24)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--stagger", type=int, default=2, help="steps between arrivals (default: 2)")
+    p.add_argument("--policy", default="recompute", help="L5's preemption policy: recompute | swap")
+    p.add_argument("--seed", type=int, default=0, help="the workload's prompts and lengths")
+    p.add_argument("--model", help="a checkpoint directory or a named model such as smollm2 (default: embedded)")
+    return p
+
+
+def workload(vocab: int, args) -> list[tuple[list[int], StopRule]]:
+    rng = random.Random(args.seed)
+    top = min(vocab, 100000)
+    system = [rng.randrange(1000, top) for _ in range(3 * args.block_size + 1)]
+    return [(system + [rng.randrange(1000, top) for _ in range(rng.randint(2, 9))], StopRule(rng.randint(6, 14)))
+            for _ in range(args.requests)]
+
+
+def build(lesson: str, model, args):
+    from lessons.l4_continuous.sampling import SamplingParams
+
+    S, N = args.block_size, args.num_blocks
+    if lesson == "l2":
+        from lessons.l2_token_flat import L2Engine
+        return L2Engine(model, S, N)
+    if lesson == "l3":
+        from lessons.l3_block_tensor import L3Engine
+        return L3Engine(model, S, N, backend="torch")
+    if lesson == "l4":
+        from lessons.l4_continuous import L4Engine
+        return L4Engine(model, S, N, backend="torch")
+    if lesson == "l5":
+        from lessons.l5_preemption import L5Engine
+        return L5Engine(model, S, N, backend="torch", policy=args.policy)
+    if lesson == "l6":
+        from lessons.l6_prefix_sharing import L6Engine
+        return L6Engine(model, S, N, backend="torch")
+    if lesson == "l7":
+        from lessons.l7_cuda_graphs import L7Engine
+        return L7Engine(model, S, N, backend="torch", graphs=False)
+    budget = dict(max_batched_tokens=16)  # a prompt longer than the budget is prefilled in slices
+    if lesson == "l8":
+        from lessons.l8_chunked_prefill import L8Engine
+        return L8Engine(model, S, N, backend="torch", graphs=False, **budget)
+    if lesson == "l9":
+        from lessons.l9_server.engine import L9Engine
+        return L9Engine(model, S, N, backend="torch", graphs=False, **budget)
+    from lessons.l11_speculative.replay import ReplayDrafter, wrong_with_rate
+    from lessons.l9_server.engine import L9Engine
+    plain = L9Engine(model, S, 256, backend="torch", graphs=False)  # what the target says: the drafts replay it
+    work = workload(model.config.vocab_size, args)
+    expected = {tuple(p): out for (p, _), out in
+                zip(work, plain.generate_batch([p for p, _ in work], StopRule(max(s.max_new_tokens for _, s in work))))}
+    spec = dict(drafter=ReplayDrafter(expected, model.config.vocab_size, wrong_with_rate(0.3, args.seed)),
+                num_speculative_tokens=3, **budget)
+    if lesson == "l11":
+        from lessons.l11_speculative import L11Engine
+        return L11Engine(model, S, N, backend="torch", graphs=False, **spec)
+    if lesson == "l12":
+        from lessons.l12_kv_quant import L12Engine
+        return L12Engine(model, S, N, backend="torch", graphs=False, kv_dtype="int8", **spec)
+    if lesson == "l13":
+        from lessons.l13_structured import L13Engine
+        return L13Engine(model, S, N, backend="torch", graphs=False, **spec)
+    from lessons.l14_batch_invariant import L14Engine
+    _ = SamplingParams
+    return L14Engine(model, S, N, graphs=False, **spec)
+
+
+def run(engine, lesson: str, work: list[tuple[list[int], StopRule]], args) -> None:
+    """Each request at its arrival step; one sampled n = 2 ways (L6 on), one aborted mid-run (L9 on)."""
+    from lessons.l4_continuous.sampling import SamplingParams
+
+    if lesson == "l2":
+        for prompt, stop in work:
+            engine.generate(prompt, stop)
+        return
+    if lesson == "l3":  # a static batch: all of it must fit at its longest, so two of the requests
+        engine.generate_batch([p for p, _ in work[:2]], StopRule(max(s.max_new_tokens for _, s in work[:2])))
+        return
+    forks = lesson not in ("l4", "l5")
+    aborts = hasattr(engine, "abort")
+    k, victim = 0, None
+    while k < len(work) or engine.scheduler.has_work():
+        while k < len(work) and args.stagger * k <= engine.clock:
+            prompt, stop = work[k]
+            if forks and k == 1:
+                engine.add_parallel(prompt, stop, SamplingParams(0.8, seed=args.seed), 2)
+            else:
+                seq = engine.add_request(prompt, stop)
+                if aborts and k == len(work) - 1:
+                    victim = seq
+            k += 1
+        if not engine.scheduler.has_work():
+            engine.clock += 1
+            continue
+        engine.step()
+        if victim is not None and victim.output_ids and len(victim.output_ids) >= 2:
+            engine.abort([victim])  # a client hanging up mid-stream
+            victim = None
+
+
+def token_pieces(trace: list[dict], model_dir: Path) -> dict[int, str]:
+    """The text of every token id the trace holds, for the page's hover (empty when there is no tokenizer)."""
+    from shared.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(model_dir)
+    except Exception:  # a checkpoint without a tokenizer: the page shows ids only
+        return {}
+    ids = {t for r in trace[1:] for s in r["seqs"].values() for t in s["ids"]}
+    return {t: tok.decode([t]) for t in sorted(ids)}
+
+
+def main() -> None:
+    p = parser()
+    args = p.parse_args()
+    lesson = args.lesson.lower()
+    if args.trace is None and lesson == "l10":
+        p.error("--lesson l10 runs over several processes: record it with python scripts/l10_smoke.py --trace FILE, "
+                "then pass --trace FILE here")
+    if args.trace is None and lesson not in LESSONS:
+        p.error(f"--lesson {args.lesson}: use one of {', '.join(LESSONS)} (L1 has no blocks)")
+    if args.policy not in ("recompute", "swap") or (args.policy == "swap" and lesson != "l5"):
+        p.error(f"--policy {args.policy}: use recompute, or swap with --lesson l5 (L6 on refuse swap)")
+    for name in ("requests", "num_blocks", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.stagger < 0:
+        p.error(f"--stagger must be at least 0, got {args.stagger}")
+    try:
+        model_dir = resolve_model_dir(args.model, default_model_dir)
+        if args.trace is not None:
+            try:
+                trace = read_trace(args.trace)
+            except (OSError, ValueError) as e:
+                raise CourseError(f"--trace {args.trace}: {e}") from None
+            if not trace or trace[0].get("kind") != "header":
+                raise CourseError(f"--trace {args.trace}: not a pool trace (its first line is no header)")
+        else:
+            from shared.model import Qwen3ForCausalLM
+            model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
+            engine = build(lesson, model, args)
+            work = workload(model.config.vocab_size, args)
+            save = args.save_trace or str(Path(args.out).with_suffix(".jsonl"))
+            with record_engine(engine, save, lesson):
+                run(engine, lesson, work, args)
+            trace = read_trace(save)
+            if args.save_trace is None:
+                Path(save).unlink()
+        data = page_data(trace, pieces=token_pieces(trace, model_dir))
+    except CourseError as e:
+        p.error(str(e))
+    Path(args.out).write_text(render(data))
+    frames = data["frames"]
+    print(f"{args.out}: {data['title']}, {len(frames) - 1} records, {data['num_blocks']} blocks of "
+          f"{data['block_size']}, {len(data['seqs'])} requests; open it in a browser (no server needed)")
+
+
+if __name__ == "__main__":
+    main()
