@@ -29,6 +29,7 @@ from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engines  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S, K, BLOCKS, MAX_NEW = 4, 4, 16, 8
@@ -47,6 +48,8 @@ def parser() -> OneLineParser:
                    help=f"the output position whose draft is corrupted, 1..{K} (default: 2, the second draft; "
                         f"0: none, every draft accepted and the bonus token kept)")
     p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     return p
 
 
@@ -60,7 +63,8 @@ def main() -> None:
     try:
         if not 0 <= args.wrong <= K:
             raise CourseError(f"--wrong {args.wrong}: the first verify step drafts output positions 1..{K}")
-        run(args.wrong, resolve_model_dir(args.model, default_model_dir))
+        with record_engines(L11Engine, args.trace, "l11"):
+            run(args.wrong, resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
 

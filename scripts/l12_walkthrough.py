@@ -28,6 +28,7 @@ from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engines  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S, BLOCKS, SHOWN = 4, 16, 8
@@ -50,6 +51,8 @@ def parser() -> OneLineParser:
     p.add_argument("--head", type=int, default=0, help="the KV head (default: 0)")
     p.add_argument("--position", type=int, default=5, help=f"the prompt position, 0..{len(PROMPT) - 1} (default: 5)")
     p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     return p
 
 
@@ -57,7 +60,8 @@ def main() -> None:
     p = parser()
     args = p.parse_args()
     try:
-        run(args.layer, args.head, args.position, resolve_model_dir(args.model, default_model_dir))
+        with record_engines(L12Engine, args.trace, "l12"):
+            run(args.layer, args.head, args.position, resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
 

@@ -40,6 +40,7 @@ from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engines  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
@@ -79,6 +80,8 @@ def parser() -> OneLineParser:
     p.add_argument("--steps", default="5", help=f"engine steps shown for that request, 1..{MAX_STEPS} (default: 5)")
     p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny "
                                    "model; a model named here gets the prompt through its chat template")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     return p
 
 
@@ -92,7 +95,8 @@ def main() -> None:
         model_dir = resolve_model_dir(args.model, default_model_dir)
         loaded = load(model_dir)
         text = PROMPT if args.model is None else chat_prompt(model_dir)
-        ok = run(n, seed, steps, loaded, text)
+        with record_engines(L13Engine, args.trace, "l13"):
+            ok = run(n, seed, steps, loaded, text)
     except CourseError as e:
         p.error(str(e))
     sys.exit(0 if ok else 1)

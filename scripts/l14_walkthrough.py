@@ -24,6 +24,7 @@ from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engines  # noqa: E402
 from shared.smoke import exit_with  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
@@ -36,6 +37,8 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog="l14_walkthrough.py", description=__doc__.splitlines()[0])
     p.add_argument("--crowd", type=int, default=8, help="other requests decoding beside it (default: 8)")
     p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded model")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     return p
 
 
@@ -111,4 +114,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(lambda: run(parser().parse_args()))
+    args = parser().parse_args()
+    with record_engines(L14Engine, args.trace, "l14"):
+        exit_with(lambda: run(args))

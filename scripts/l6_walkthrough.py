@@ -24,6 +24,7 @@ from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engines  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S, BLOCKS = 4, 10
@@ -157,9 +158,12 @@ def main() -> None:
     p = OneLineParser(prog="l6_walkthrough.py", description=__doc__.splitlines()[0])
     p.add_argument("--plot", metavar="PNG", help="also draw the pool after every step into this file")
     p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded tiny model")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     args = p.parse_args()
     try:
-        snapshots, meta, order = run(resolve_model_dir(args.model, default_model_dir))
+        with record_engines(L6Engine, args.trace, "l6"):
+            snapshots, meta, order = run(resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
     print_table(snapshots)

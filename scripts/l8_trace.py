@@ -20,6 +20,7 @@ from shared.cli import OneLineParser, resolve_model_dir
 from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
+from shared.pool_trace import record_engines
 from shared.tiny_qwen3 import default_model_dir
 
 S = 4
@@ -45,9 +46,12 @@ def main() -> None:
     p = OneLineParser(prog="l8_trace.py", description=__doc__.splitlines()[0])
     p.add_argument("--max-batched-tokens", type=int, default=8, help="the token budget of one step (default: 8)")
     p.add_argument("--model", help="a checkpoint directory or a named model such as smollm2 (default: embedded)")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     args = p.parse_args()
     try:
-        run(args.max_batched_tokens, resolve_model_dir(args.model, default_model_dir))
+        with record_engines(L8Engine, args.trace, "l8"):
+            run(args.max_batched_tokens, resolve_model_dir(args.model, default_model_dir))
     except CourseError as e:
         p.error(str(e))
 

@@ -21,6 +21,7 @@ from shared.cli import OneLineParser, resolve_model_dir
 from shared.errors import CourseError
 from shared.generation import StopRule
 from shared.model import Qwen3ForCausalLM
+from shared.pool_trace import record_engine
 from shared.tiny_qwen3 import default_model_dir
 
 COLOURS = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_blue", "bright_magenta"]
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--stagger", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="a checkpoint directory or a named model such as smollm2 (default: embedded)")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     args = p.parse_args()
     try:
         model_dir = resolve_model_dir(args.model, default_model_dir)
@@ -59,7 +62,8 @@ def main() -> None:
         return out
 
     engine.step = watched_step
-    engine.run(work)
+    with record_engine(engine, args.trace, args.lesson):
+        engine.run(work)
     draw(Console(width=120), engine, args, preempted_at)
 
 

@@ -58,6 +58,8 @@ from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, res
 from shared.config import Qwen3Config  # noqa: E402
 from shared.errors import CourseError, RunFailure  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_live import LivePool, add_routes  # noqa: E402
+from shared.pool_trace import PoolRecorder  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
@@ -109,6 +111,8 @@ def parser() -> OneLineParser:
                         "blocks (default: auto)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="L14: a request's logits are bitwise the same whatever else the server runs (CPU, --tp 1)")
+    p.add_argument("--pool-viewer", action="store_true",
+                   help="also serve the KV pool, live, at /pool (read-only; a recorder follows every step)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
@@ -277,6 +281,10 @@ def build(args) -> tuple[Server, socket.socket]:
                           long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation,
                           **quantized_kv, **invariant)
     engine.stats.record_timeline = False
+    live = None
+    if args.pool_viewer:  # attached before the engine thread starts: every step is recorded, from the first
+        live = LivePool(decode=lambda token: tokenizer.decode([token]))
+        PoolRecorder(engine, live, "l14" if args.tp == 1 else "l13")
     kv_line = ""
     if args.kv_dtype != "auto":
         kv_line = f" · kv-dtype {args.kv_dtype} · kv-blocks {engine.allocator.num_blocks}"
@@ -292,6 +300,8 @@ def build(args) -> tuple[Server, socket.socket]:
     # L13: response_format and structured_outputs, compiled by llguidance (its tokenizer loads at the first grammar)
     structured = StructuredOutputs(tokenizer, config.vocab_size, frozenset(config.eos_token_ids), loop.metrics.registry)
     app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes, structured)
+    if live is not None:
+        add_routes(app, live)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     # asyncio and h11, not uvloop and httptools (uvicorn[standard]): measured on the course's 2-core box, the
@@ -299,7 +309,10 @@ def build(args) -> tuple[Server, socket.socket]:
     # percent of a core here, and what decides throughput is the engine thread's share of the GIL and the CPU.
     config = uvicorn.Config(app, log_level=args.log_level, loop=args.loop, http=args.http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_S)
-    return Server(config, loop, f"serving {name} at http://{url_host}:{port}/v1", args.shutdown_timeout), sock
+    banner = f"serving {name} at http://{url_host}:{port}/v1"
+    if live is not None:
+        banner += f"; the pool, live, at http://{url_host}:{port}/pool"
+    return Server(config, loop, banner, args.shutdown_timeout), sock
 
 
 def main() -> None:

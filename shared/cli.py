@@ -35,6 +35,8 @@ def smoke_parser(lesson: str, description: str, *, blocks: bool, default_prompts
     if blocks:
         p.add_argument("--block-size", type=int, default=block_size, help=f"tokens per KV block (default: {block_size})")
         p.add_argument("--num-blocks", type=int, help=f"KV pool size in blocks (default: {pool_default})")
+        p.add_argument("--trace", metavar="FILE", help="write the lesson's pool trace (JSON lines) here; "
+                                                     "python scripts/pool_viewer.py --trace FILE draws it")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")

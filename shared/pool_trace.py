@@ -16,6 +16,7 @@ Work done between steps (a server's abort) gets a record of its own, "kind": "be
 """
 from __future__ import annotations
 
+import io
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -300,32 +301,36 @@ def record_engine(engine: Any, path: str | Path | None, lesson: str = "") -> Ite
 
 
 @contextmanager
-def record_first(engine_class: type, path: str | Path | None, lesson: str = "") -> Iterator[None]:
-    """Record the first `engine_class` built inside the block (a smoke builds its engines inside its run
-    functions): its class's __init__ is wrapped for the block's duration only."""
+def record_engines(engine_class: type, path: str | Path | None, lesson: str = "") -> Iterator[None]:
+    """Record every `engine_class` (or subclass) built inside the block, and write the trace of the last one that
+    ran a step to `path` (a script may build a throwaway engine to check its options, or run a plain engine
+    first to have something to compare with). The class's __init__ is wrapped for the block's duration only."""
     if path is None:
         yield
         return
-    init = engine_class.__dict__.get("__init__")
-    out = open(path, "w")
-    recorders: list[PoolRecorder] = []
+    own_init = engine_class.__dict__.get("__init__")
+    recorders: list[tuple[PoolRecorder, io.StringIO]] = []
 
     def recording_init(self, *args, **kwargs):
-        (init or super(engine_class, self).__init__)(*args, **kwargs)
-        if not recorders and type(self) is engine_class:
-            recorders.append(PoolRecorder(self, out, lesson))
+        if own_init is not None:
+            own_init(self, *args, **kwargs)
+        else:
+            super(engine_class, self).__init__(*args, **kwargs)
+        out = io.StringIO()
+        recorders.append((PoolRecorder(self, out, lesson), out))
 
     engine_class.__init__ = recording_init
     try:
         yield
     finally:
-        if init is None:
+        if own_init is None:
             del engine_class.__init__
         else:
-            engine_class.__init__ = init
-        for r in recorders:
-            r.close()
-        out.close()
+            engine_class.__init__ = own_init
+        for recorder, _ in recorders:
+            recorder.close()
+        ran = [out.getvalue() for _, out in recorders if out.getvalue().count("\n") > 1]
+        Path(path).write_text(ran[-1] if ran else "")
 
 
 def read_trace(path: str | Path) -> list[dict]:

@@ -28,6 +28,7 @@ from shared.generation import StopRule, check_prompt
 from shared.hf_reference import NEAR, HfOutput, HfReference
 from shared.model import Qwen3ForCausalLM
 from shared.parity import Verdict, compare
+from shared.pool_trace import record_engines
 from shared.tiny_qwen3 import default_model_dir
 from shared.tokenizer import load_tokenizer
 
@@ -71,15 +72,32 @@ def prepare(args: argparse.Namespace, status: Console) -> Setup:
     return Setup(model_dir, device, dtype, config, tokenizer, prompts, prompt_ids, stop)
 
 
+def lesson_engine(lesson: str) -> type:
+    """L6 -> lessons.l6_prefix_sharing.L6Engine: the class a smoke's --trace records."""
+    import importlib
+
+    package = next(p.name for p in (Path(__file__).resolve().parent.parent / "lessons").iterdir()
+                   if p.name.startswith(lesson.lower() + "_"))
+    return getattr(importlib.import_module(f"lessons.{package}"), f"{lesson}Engine")
+
+
 def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines, extra_check: ExtraCheck | None = None) -> int:
     console = Console(stderr=args.json)
     setup = prepare(args, Console(stderr=True))
-    with console.status("loading weights...") if not args.json else nullcontext():
-        model = Qwen3ForCausalLM.from_dir(setup.model_dir, setup.dtype, setup.device)
-        engines = build_engines(model, args)  # lesson-specific checks (block size, pool) raise here
     outputs: dict[str, list[list[int]]] = {}
     seconds: dict[str, float] = {}
-    for name, run in engines.items():
+    # --trace: the lesson's own engine records (the last that ran, if the script builds several)
+    with record_engines(lesson_engine(lesson), args.trace, lesson.lower()) if getattr(args, "trace", None) else nullcontext():
+        with console.status("loading weights...") if not args.json else nullcontext():
+            model = Qwen3ForCausalLM.from_dir(setup.model_dir, setup.dtype, setup.device)
+            engines = build_engines(model, args)  # lesson-specific checks (block size, pool) raise here
+        for name, run in engines.items():
+            t0 = time.perf_counter()
+            outputs[name] = run(setup.prompt_ids, setup.stop)
+            seconds[name] = time.perf_counter() - t0
+            if name == lesson:
+                break
+    for name, run in list(engines.items())[len(outputs):]:
         t0 = time.perf_counter()
         outputs[name] = run(setup.prompt_ids, setup.stop)
         seconds[name] = time.perf_counter() - t0

@@ -1,0 +1,131 @@
+"""The pool viewer's page in a real browser (headless Chromium through Selenium and Debian's chromedriver): for every
+lesson whose run has blocks, the page opened from a file shows, at chosen steps, each request's block table and
+the grid's owners exactly as the replay has them; the console stays clean; play, pause, the slider, the keys,
+a click on a request and a hover work. Skipped, with one line, where Chromium, chromedriver or Selenium is absent
+(CI installs them: `apt-get install chromium chromium-driver`, `pip install -e ".[browser]"`)."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from pool_viewer import LESSONS, build, run, token_pieces, workload  # noqa: E402
+from shared.pool_page import page_data, render  # noqa: E402
+from shared.pool_replay import replay  # noqa: E402
+from shared.pool_trace import read_trace, record_engine  # noqa: E402
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="Selenium is not installed: pip install -e '.[browser]'")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if CHROMIUM is None or DRIVER is None:
+    pytest.skip("Chromium or chromedriver is absent: apt-get install chromium chromium-driver", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory, tiny_model, tiny_dir):
+    """Every lesson's run on the embedded model, recorded: {lesson: (page path, trace)}."""
+    out = tmp_path_factory.mktemp("pages")
+    args = argparse.Namespace(block_size=4, num_blocks=24, requests=5, stagger=1, seed=2, policy="recompute")
+    made = {}
+    for lesson in LESSONS:
+        engine = build(lesson, tiny_model, args)
+        path = out / f"{lesson}.jsonl"
+        with record_engine(engine, path, lesson):
+            run(engine, lesson, workload(tiny_model.config.vocab_size, args), args)
+        trace = read_trace(path)
+        html = out / f"{lesson}.html"
+        html.write_text(render(page_data(trace, pieces=token_pieces(trace, tiny_dir))))
+        made[lesson] = (html, trace)
+    return made
+
+
+def errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+
+
+def shown(driver) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """What the page shows now: each request row's table, and each held block's owners in the grid."""
+    tables = driver.execute_script("""
+        const out = {};
+        for (const row of document.querySelectorAll('#tables .table-row')) {
+          out[row.dataset.seq] = [...row.querySelectorAll('.entry[data-block]')].map(e => +e.dataset.block);
+        }
+        return out;""")
+    owners = driver.execute_script("""
+        const out = {};
+        for (const b of document.querySelectorAll('#grid .block')) {
+          if (b.dataset.owners) out[b.dataset.block] = b.dataset.owners.split(' ').map(Number);
+        }
+        return out;""")
+    return ({int(k): v for k, v in tables.items() if v}, {int(k): v for k, v in owners.items()})
+
+
+@pytest.mark.slow  # every lesson's run on the embedded model, then the browser: about a minute
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_the_page_shows_what_the_replay_rebuilt(lesson, pages, browser):
+    html, trace = pages[lesson]
+    frames = replay(trace)
+    browser.get(html.as_uri())
+    assert browser.execute_script("return window.poolViewer.count") == len(frames) + 1
+    for at in sorted({1, len(frames) // 3, 2 * len(frames) // 3, len(frames)} - {0}):
+        browser.execute_script("window.poolViewer.show(arguments[0])", at)
+        _, state, _ = frames[at - 1]
+        tables, owners = shown(browser)
+        assert tables == state.tables, f"{lesson} frame {at}: the rows' tables differ from the replay's"
+        want: dict[int, list[int]] = {}
+        for seq, blocks in sorted(state.tables.items()):
+            for b in blocks:
+                want.setdefault(b, []).append(seq)
+        assert owners == {b: sorted(set(s)) for b, s in want.items()}, f"{lesson} frame {at}: the grid's owners"
+    assert errors(browser) == []
+
+
+@pytest.mark.slow
+def test_controls_work(pages, browser):
+    html, trace = pages["l6"]
+    browser.get(html.as_uri() + "#frame=3")
+    frame = lambda: browser.execute_script("return window.poolViewer.frame()")  # noqa: E731
+    assert frame() == 3
+    slider = browser.find_element(By.ID, "slider")
+    slider.send_keys(Keys.ARROW_RIGHT)
+    assert frame() == 4 and slider.get_attribute("value") == "4"
+    browser.find_element(By.ID, "prev").click()
+    assert frame() == 3
+    play = browser.find_element(By.ID, "play")
+    play.click()
+    assert play.text == "Pause"
+    time.sleep(1.2)
+    play.click()
+    assert play.text == "Play" and frame() > 3
+    row = browser.find_element(By.CSS_SELECTOR, "#tables .table-row[data-seq]")
+    seq = row.get_attribute("data-seq")
+    row.click()
+    lit = {int(b.get_attribute("data-block")) for b in browser.find_elements(By.CSS_SELECTOR, "#grid .block.highlight")}
+    mine = {int(e.get_attribute("data-block")) for e in row.find_elements(By.CSS_SELECTOR, ".entry[data-block]")}
+    assert "selected" in row.get_attribute("class") and lit == mine, f"request {seq}'s blocks"
+    block = browser.find_element(By.CSS_SELECTOR, f"#grid .block[data-block='{min(mine)}']")
+    webdriver.ActionChains(browser).move_to_element(block).perform()
+    tip = browser.find_element(By.ID, "tooltip")
+    assert tip.is_displayed() and f"{min(mine)}" in tip.text
+    assert errors(browser) == []
