@@ -311,7 +311,7 @@ def build(args) -> tuple[Server, socket.socket]:
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_S)
     banner = f"serving {name} at http://{url_host}:{port}/v1"
     if live is not None:
-        banner += f"; the pool, live, at http://{url_host}:{port}/pool"
+        banner += f"\nthe pool, live, at http://{url_host}:{port}/pool"  # a line of its own: clients read the first
     return Server(config, loop, banner, args.shutdown_timeout), sock
 
 

@@ -267,3 +267,30 @@ def test_real_model_lessons(lesson, tiny_model):
     recorder.close()
     assert out.records > 5
     assert all_returned(engine)
+
+
+def test_a_live_pool_keeps_its_last_records_and_folds_the_rest():
+    """serve.py --pool-viewer's trace: only the last `keep` records are kept; older ones are folded into the pool
+    they start from, so the frames it serves equal a full replay's, and finished requests are forgotten."""
+    from shared.pool_live import LivePool
+
+    engine = make("l9", 2, 14, 6, 3)
+    live, full = LivePool(keep=5), CheckedTrace(engine)
+
+    class Both:
+        def write(self, line: str) -> int:
+            live.write(line)
+            return full.write(line)
+
+        def flush(self) -> None:
+            pass
+
+    recorder = PoolRecorder(engine, Both(), "test")
+    drive(engine, [(9, 6, 0, 2, None), (4, 8, 1, 1, 2), (12, 5, 0, 1, None), (3, 7, 2, 3, None)], 3)
+    recorder.close()
+    got = live.frames(after=-1)
+    assert got["next"] == full.records and [f["index"] for f in got["frames"]] == list(range(full.records - 5, full.records))
+    last = got["frames"][-1]
+    assert last["tables"] == {str(i): t for i, t in full.state.tables.items()} and last["ref"] == full.state.ref
+    assert live.frames(after=full.records - 2)["frames"][0]["index"] == full.records - 1
+    assert len(live.base.seqs) < len(full.state.seqs)  # the folded finished requests are gone

@@ -129,3 +129,41 @@ def test_controls_work(pages, browser):
     tip = browser.find_element(By.ID, "tooltip")
     assert tip.is_displayed() and f"{min(mine)}" in tip.text
     assert errors(browser) == []
+
+
+@pytest.mark.slow  # a server start
+def test_the_live_page_follows_a_running_server(browser):
+    """serve.py --pool-viewer: /pool draws the running engine's pool from /pool/frames, read-only; a bad `after` is
+    an OpenAI-shaped 400; the server still answers and stops cleanly."""
+    import httpx
+    import openai
+
+    from shared.server_process import ServerProcess
+
+    server = ServerProcess(["--pool-viewer", "--block-size", "4", "--num-blocks", "64"]).start()
+    try:
+        base = server.url.removesuffix("/v1")
+        assert f"the pool, live, at {base}/pool" in server.log_text()
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+        for prompt in ("The capital of France is", "Hello, world!"):
+            client.completions.create(model=server.model, prompt=prompt, max_tokens=6, n=2, temperature=0.8, seed=1)
+        got = httpx.get(f"{base}/pool/frames", params={"after": -1}, timeout=30).json()
+        assert got["frames"] and got["next"] == got["frames"][-1]["index"] + 1
+        words = [w for f in got["frames"] for w in f["words"]]
+        assert any("forks" in w for w in words) and any("copy-on-write" in w for w in words), words
+        bad = httpx.get(f"{base}/pool/frames", params={"after": "x"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+        browser.get(f"{base}/pool")
+        deadline = time.monotonic() + 20
+        while browser.execute_script("return window.poolViewer.count") < len(got["frames"]):
+            assert time.monotonic() < deadline, "the live page never fetched the frames"
+            time.sleep(0.2)
+        browser.execute_script("window.poolViewer.show(window.poolViewer.count - 1)")
+        tables, _ = shown(browser)
+        assert tables == {int(k): v for k, v in got["frames"][-1]["tables"].items() if v}
+        assert errors(browser) == []
+        again = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=4)
+        assert again.choices[0].text is not None
+    finally:
+        status = server.stop()
+    assert status == 0, server.stderr_tail()
