@@ -32,18 +32,23 @@ MOMENTS = {
     "l5_swap.png": ("l5", "swap", "swap out", "a preemption: the newest request's blocks copied to host memory"),
     "l6_hit.png": ("l6", "recompute", "prefix-cache hit", "a prefix-cache hit: the shared system prompt's blocks"),
     "l6_cow.png": ("l6", "recompute", "copy-on-write", "a fork's copy-on-write"),
-    "l8_slices.png": ("l8", "recompute", "prefills tokens", "a prompt in slices beside the decodes"),
+    "l8_slices.png": ("l8", "recompute", "prefills tokens", "a prompt cut into a slice beside the decodes"),
     "l11_rollback.png": ("l11", "recompute", "rejected rolled back", "speculative decoding: rejected drafts rolled back"),
 }
 
 
-def moment(frames: list[dict], marker: str, lesson: str) -> tuple[int, str | None]:
-    """The first frame whose words hold `marker` (for L4 and L8: one that also decodes), and the request named."""
-    for i, f in enumerate(frames):
+def moment(data: dict, marker: str, lesson: str) -> tuple[int, str | None]:
+    """The first frame whose words hold `marker` (L4: one that also decodes; L8: one that decodes and feeds a
+    prompt only part of the way), and the request it names."""
+    for i, f in enumerate(data["frames"]):
+        cut = [p for p in f["plan"] if not p["decode"] and p["to"] < data["seqs"][str(p["seq"])]["prompt"]]
         for w in f["words"]:
-            if marker in w and (lesson not in ("l4", "l8") or any(p["decode"] for p in f["plan"])):
-                if lesson == "l4" and len(f["tables"]) < 3:
+            if marker in w:
+                decodes = any(p["decode"] for p in f["plan"])
+                if lesson == "l4" and not decodes or lesson == "l8" and not (cut and decodes):
                     continue
+                if lesson == "l8":
+                    return i, str(cut[0]["seq"])
                 seq = w.split()[1] if w.startswith("request ") else None
                 if marker == "copy-on-write":
                     seq = next((s for s, t in f["tables"].items() if f["touched"]["cow"][0] in t), None)
@@ -71,7 +76,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name, (lesson, policy, marker, caption) in MOMENTS.items():
-                run_args = argparse.Namespace(block_size=4, num_blocks=24, requests=6, stagger=2, seed=0, policy=policy)
+                run_args = argparse.Namespace(block_size=4, num_blocks=20, requests=6, stagger=2, seed=0, policy=policy)
                 engine = build(lesson, model, run_args)
                 trace_path = Path(tmp) / f"{name}.jsonl"
                 with record_engine(engine, trace_path, lesson):
@@ -80,7 +85,7 @@ def main() -> None:
                 data = page_data(trace, title=f"{lesson.upper()}: {caption}", pieces=token_pieces(trace, default_model_dir()))
                 page = Path(tmp) / f"{name}.html"
                 page.write_text(render(data))
-                at, seq = moment(data["frames"], marker, lesson)
+                at, seq = moment(data, marker, lesson)
                 driver.get(page.as_uri() + f"#frame={at}" + (f"&select={seq}" if seq is not None else ""))
                 driver.save_screenshot(str(out / name))
                 print(f"{out / name}: {lesson} frame {at} ({caption})")

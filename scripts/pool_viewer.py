@@ -12,7 +12,7 @@ shared/pool_replay.py rebuilt from the trace, and tests/test_pool_trace.py check
 engine after every step.
 
 The workload: --requests requests share a system prompt (so from L6 on later ones hit the prefix cache),
-arrive --stagger steps apart, and one is sampled n = 2 ways (from L6 on: a fork and its copy-on-write); from
+arrive --stagger steps apart, the fourth with a long prompt (from L8 on it is prefilled in slices), and one is sampled n = 2 ways (from L6 on: a fork and its copy-on-write); from
 L9 on one is aborted; L11's drafts come from the target's own continuation with some made wrong, so some
 are kept and some rolled back. The pool is small enough that L5 on has to preempt.
 """
@@ -43,7 +43,7 @@ def parser() -> OneLineParser:
     p.add_argument("--save-trace", help="also write the run's trace here")
     p.add_argument("--out", default="pool.html", help="the page to write (default: pool.html)")
     p.add_argument("--requests", type=int, default=6)
-    p.add_argument("--num-blocks", type=int, default=24)
+    p.add_argument("--num-blocks", type=int, default=20)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--stagger", type=int, default=2, help="steps between arrivals (default: 2)")
     p.add_argument("--policy", default="recompute", help="L5's preemption policy: recompute | swap")
@@ -56,8 +56,12 @@ def workload(vocab: int, args) -> list[tuple[list[int], StopRule]]:
     rng = random.Random(args.seed)
     top = min(vocab, 100000)
     system = [rng.randrange(1000, top) for _ in range(3 * args.block_size + 1)]
-    return [(system + [rng.randrange(1000, top) for _ in range(rng.randint(2, 9))], StopRule(rng.randint(6, 14)))
+    work = [(system + [rng.randrange(1000, top) for _ in range(rng.randint(2, 9))], StopRule(rng.randint(6, 14)))
             for _ in range(args.requests)]
+    if len(work) > 3:  # one long prompt: from L8 on it is prefilled in slices beside the others' decodes
+        prompt, stop = work[3]
+        work[3] = (prompt + [rng.randrange(1000, top) for _ in range(5 * args.block_size)], stop)
+    return work
 
 
 def build(lesson: str, model, args):
