@@ -30,6 +30,7 @@ from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.pool_page import page_data, render  # noqa: E402
+from shared.pool_replay import ReplayError  # noqa: E402
 from shared.pool_trace import read_trace, record_engine  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
@@ -196,7 +197,11 @@ def main() -> None:
             trace = read_trace(save)
             if args.save_trace is None:
                 Path(save).unlink()
-        data = page_data(trace, pieces=token_pieces(trace, model_dir))
+        try:
+            data = page_data(trace, pieces=token_pieces(trace, model_dir))
+        except (ReplayError, KeyError, TypeError, IndexError) as e:  # a trace cut short, edited or not a trace
+            raise CourseError(f"--trace {args.trace}: not a pool trace this replay can follow ({type(e).__name__}: "
+                              f"{e})") from None
     except CourseError as e:
         p.error(str(e))
     Path(args.out).write_text(render(data))

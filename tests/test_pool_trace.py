@@ -249,10 +249,11 @@ def test_the_replay_refuses_a_trace_that_lies():
             replay(bad)
 
 
-@pytest.mark.slow  # the embedded model's forwards: 25 s in all
-@pytest.mark.parametrize("lesson", ["l2", "l3", "l7", "l12"])
-def test_real_model_lessons(lesson, tiny_model):
-    """The lessons whose runs need the real model: the same check after every record, on the embedded model."""
+@pytest.mark.slow  # the embedded model's forwards: 15 s
+@pytest.mark.parametrize("lesson", ["l2", "l3"])
+def test_the_lessons_without_a_scheduler(lesson, tiny_model):
+    """L2 and L3 have no step(): a recorder watches their forwards (L2's model, L3's runner). The same check after
+    every record, on the embedded model. (tests/test_pool_viewer.py's pages check every lesson so, in a browser.)"""
     import argparse
     import sys
     from pathlib import Path
@@ -294,3 +295,31 @@ def test_a_live_pool_keeps_its_last_records_and_folds_the_rest():
     assert last["tables"] == {str(i): t for i, t in full.state.tables.items()} and last["ref"] == full.state.ref
     assert live.frames(after=full.records - 2)["frames"][0]["index"] == full.records - 1
     assert len(live.base.seqs) < len(full.state.seqs)  # the folded finished requests are gone
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lesson", "l1"], "--lesson l1: use one of l2, l3"),
+    (["--lesson", "l10"], "python scripts/l10_smoke.py --trace FILE"),
+    (["--policy", "swap"], "--policy swap: use recompute, or swap with --lesson l5"),
+    (["--requests", "0"], "--requests must be at least 1, got 0"),
+    (["--trace", "/no/such/trace.jsonl"], "--trace /no/such/trace.jsonl: [Errno 2]"),
+    (["--trace", "{tmp}/words.jsonl"], "words.jsonl: Expecting value"),
+    (["--trace", "{tmp}/no_header.jsonl"], "not a pool trace (its first line is no header)"),
+    (["--trace", "{tmp}/cut.jsonl"], "not a pool trace this replay can follow (ReplayError: record 1"),
+])
+def test_the_viewer_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
+    from test_bad_input import run_script
+
+    (tmp_path / "words.jsonl").write_text("hello\n")
+    (tmp_path / "no_header.jsonl").write_text('{"kind": "step"}\n')
+    engine = make("l4", 2, 8, 4, 0)
+    out = io.StringIO()
+    recorder = PoolRecorder(engine, out, "l4")
+    drive(engine, [(3, 2, 0, 1, None)], 0)
+    recorder.close()
+    header, first, *_ = out.getvalue().splitlines()
+    cut = json.loads(first)
+    cut["events"] = []  # its allocation lost: the table names blocks the pool never handed out
+    (tmp_path / "cut.jsonl").write_text(header + "\n" + json.dumps(cut) + "\n")
+    code, _, err = run_script("pool_viewer.py", [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2 and err.count("\n") == 1 and says in err, err

@@ -6,6 +6,7 @@ a click on a request and a hover work. Skipped, with one line, where Chromium, c
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -18,7 +19,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from pool_viewer import LESSONS, build, run, token_pieces, workload  # noqa: E402
 from shared.pool_page import page_data, render  # noqa: E402
 from shared.pool_replay import replay  # noqa: E402
-from shared.pool_trace import read_trace, record_engine  # noqa: E402
+from shared.pool_trace import PoolRecorder  # noqa: E402
+from test_pool_trace import CheckedTrace, all_returned  # noqa: E402
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="Selenium is not installed: pip install -e '.[browser]'")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -44,16 +46,19 @@ def browser():
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory, tiny_model, tiny_dir):
-    """Every lesson's run on the embedded model, recorded: {lesson: (page path, trace)}."""
+    """Every lesson's run on the embedded model, recorded (each record checked against the engine): {lesson: (page
+    path, trace)}."""
     out = tmp_path_factory.mktemp("pages")
     args = argparse.Namespace(block_size=4, num_blocks=24, requests=5, stagger=1, seed=2, policy="recompute")
     made = {}
     for lesson in LESSONS:
         engine = build(lesson, tiny_model, args)
-        path = out / f"{lesson}.jsonl"
-        with record_engine(engine, path, lesson):
-            run(engine, lesson, workload(tiny_model.config.vocab_size, args), args)
-        trace = read_trace(path)
+        checked = CheckedTrace(engine)  # and the replay equals the engine after every record, as in test_pool_trace
+        recorder = PoolRecorder(engine, checked, lesson)
+        run(engine, lesson, workload(tiny_model.config.vocab_size, args), args)
+        recorder.close()
+        assert all_returned(engine) and checked.records > 5
+        trace = [json.loads(line) for line in checked.getvalue().splitlines()]
         html = out / f"{lesson}.html"
         html.write_text(render(page_data(trace, pieces=token_pieces(trace, tiny_dir))))
         made[lesson] = (html, trace)
