@@ -207,8 +207,9 @@ class PoolRecorder:
                 if i not in self.lengths:
                     seqs[i]["new"] = True
                 self.lengths[i] = info
-            if status == "finished":
+            if status == "finished":  # written once, then forgotten: a server records for days
                 del self.known[i]
+                self.tables.pop(i, None), self.host_tables.pop(i, None), self.lengths.pop(i, None)
         return {"tables": tables, "host_tables": host_tables, "seqs": seqs}
 
     # L2 and L3 have no step(): a forward is one. Its record closes when the forward returns, so it holds the

@@ -190,6 +190,7 @@ def test_replay_equals_the_engine_after_every_step(kind, S, N, budget, requests,
     recorder.close()
     assert all_returned(engine)  # and the last record showed it
     assert sum(1 for line in out.getvalue().splitlines()) == out.records + 1
+    assert not (recorder.known or recorder.tables or recorder.lengths)  # a server's recorder forgets the finished
 
 
 def test_the_workloads_exercise_every_event():
