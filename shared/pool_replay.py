@@ -170,20 +170,20 @@ class PoolState:
                     else f"verifies {p['drafts']} draft token(s) after position {p['from']}" if p.get("drafts")
                     else f"prefills tokens {p['from']}..{p['to'] - 1} ({n})")
             out.append(f"request {i} {what}")
-        self._plan = record["plan"]
-        for e in record["events"]:
-            line = self._say(e, before)
-            if line:
-                out.append(line)
-        for i, info in sorted(self.seqs.items()):
-            was = before.get(i, SeqInfo())  # a request first seen in this record was waiting before it
-            if was.status == info.status:
-                continue
+        changed = [(i, before.get(i, SeqInfo()), info) for i, info in sorted(self.seqs.items())
+                   if before.get(i, SeqInfo()).status != info.status]  # first seen here: it was waiting before
+        for i, was, info in changed:  # admissions, before what the step did with them
             if info.status == "running" and was.status == "waiting" and info.cached and i not in self._forked(record):
                 hit = next((p["from"] for p in record["plan"] if p["seq"] == i), 0)
                 if hit:
                     out.append(f"request {i} admitted with a prefix-cache hit: {hit} tokens ({hit // S} blocks) "
                                f"not computed again")
+        self._plan = record["plan"]
+        for e in record["events"]:
+            line = self._say(e, before)
+            if line:
+                out.append(line)
+        for i, was, info in changed:  # then who finished
             if info.status == "finished" and not any(e["op"] == "abort" and i in e["seqs"] for e in record["events"]):
                 out.append(f"request {i} finished: {info.tokens - info.prompt} tokens generated; its blocks return")
         for i in sorted(set(old_tables) | set(self.tables)):

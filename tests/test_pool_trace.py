@@ -324,3 +324,18 @@ def test_the_viewer_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
     (tmp_path / "cut.jsonl").write_text(header + "\n" + json.dumps(cut) + "\n")
     code, _, err = run_script("pool_viewer.py", [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
     assert code == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_the_replay_says_what_happened_in_order():
+    """The page's "what happened": the plan, then admissions (with their prefix hits), then the step's events."""
+    engine = make("l6", 2, 16, 6, 4)
+    out = io.StringIO()
+    recorder = PoolRecorder(engine, out, "test")
+    drive(engine, [(6, 5, 3, 1, None), (5, 5, 0, 2, None)], 4)  # 11 tokens: the fork shares a part-filled block
+    recorder.close()
+    words = [w for _, _, said in replay([json.loads(line) for line in out.getvalue().splitlines()]) for w in said]
+    text = "\n".join(words)
+    hit = next(i for i, w in enumerate(words) if "admitted with a prefix-cache hit" in w)
+    fork = next(i for i, w in enumerate(words) if "forks request(s)" in w)
+    assert hit < fork and "request 1 admitted with a prefix-cache hit: 6 tokens (3 blocks)" in words[hit], text
+    assert "copy-on-write: shared block" in text and "finished: 5 tokens generated" in text
