@@ -26,14 +26,15 @@ from shared.pool_page import page_data, render  # noqa: E402
 from shared.pool_trace import read_trace, record_engine  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
-# file name: (lesson, policy, the words that mark the moment, what the doc's caption says)
+# file name: (lesson, policy, the words that mark the moment, what the doc's caption says, pool blocks)
 MOMENTS = {
-    "l4_join.png": ("l4", "recompute", "prefills tokens 0", "a request joins while the others decode"),
-    "l5_swap.png": ("l5", "swap", "swap out", "a preemption: the newest request's blocks copied to host memory"),
-    "l6_hit.png": ("l6", "recompute", "prefix-cache hit", "a prefix-cache hit: the shared system prompt's blocks"),
-    "l6_cow.png": ("l6", "recompute", "copy-on-write", "a fork's copy-on-write"),
-    "l8_slices.png": ("l8", "recompute", "prefills tokens", "a prompt cut into a slice beside the decodes"),
-    "l11_rollback.png": ("l11", "recompute", "rejected rolled back", "speculative decoding: rejected drafts rolled back"),
+    "l4_join.png": ("l4", "recompute", "prefills tokens 0", "a request joins while the others decode", 20),
+    "l5_swap.png": ("l5", "swap", "swap out", "a preemption: the newest request's blocks copied to host memory", 18),
+    "l6_hit.png": ("l6", "recompute", "prefix-cache hit", "a prefix-cache hit: the shared system prompt's blocks", 20),
+    "l6_cow.png": ("l6", "recompute", "copy-on-write", "a fork's copy-on-write", 20),
+    "l8_slices.png": ("l8", "recompute", "prefills tokens", "a prompt cut into a slice beside the decodes", 20),
+    "l11_rollback.png": ("l11", "recompute", "rejected rolled back", "speculative decoding: rejected drafts rolled back",
+                         20),
 }
 
 
@@ -75,8 +76,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for name, (lesson, policy, marker, caption) in MOMENTS.items():
-                run_args = argparse.Namespace(block_size=4, num_blocks=20, requests=6, stagger=2, seed=0, policy=policy)
+            for name, (lesson, policy, marker, caption, blocks) in MOMENTS.items():
+                run_args = argparse.Namespace(block_size=4, num_blocks=blocks, requests=6, stagger=2, seed=0,
+                                              policy=policy)
                 engine = build(lesson, model, run_args)
                 trace_path = Path(tmp) / f"{name}.jsonl"
                 with record_engine(engine, trace_path, lesson):
