@@ -339,3 +339,22 @@ def test_the_replay_says_what_happened_in_order():
     fork = next(i for i, w in enumerate(words) if "forks request(s)" in w)
     assert hit < fork and "request 1 admitted with a prefix-cache hit: 6 tokens (3 blocks)" in words[hit], text
     assert "copy-on-write: shared block" in text and "finished: 5 tokens generated" in text
+
+
+def test_the_page_is_self_contained():
+    """Opened from disk with no network: the page's template names no address, loads no script or style from
+    anywhere, and holds its data mark once (shared/pool_page.py puts the trace's frames there)."""
+    import re
+
+    from shared.pool_page import DATA_MARK, TEMPLATE, page_data, render
+
+    html = TEMPLATE.read_text()
+    assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/|\bsrc\s*=|@import|url\(", html, re.I)
+    assert html.count(DATA_MARK) == 1
+    engine = make("l4", 2, 8, 4, 0)
+    out = io.StringIO()
+    recorder = PoolRecorder(engine, out, "l4")
+    drive(engine, [(3, 2, 0, 1, None)], 0)
+    recorder.close()
+    page = render(page_data([json.loads(line) for line in out.getvalue().splitlines()], pieces={5: "</script>"}))
+    assert page.count("</script>") == html.count("</script>")  # a token's text cannot end the data's script
