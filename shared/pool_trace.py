@@ -58,8 +58,8 @@ def _id(seq: Any) -> int:
 class PoolRecorder:
     """Attach to an engine (L2 on), write one JSON line per step to `out`; `close()` detaches and flushes."""
 
-    def __init__(self, engine: Any, out: TextIO, lesson: str = "", max_steps: int | None = None):
-        self.engine, self.out, self.max_steps = engine, out, max_steps
+    def __init__(self, engine: Any, out: TextIO, lesson: str = ""):
+        self.engine, self.out = engine, out
         self.events: list[dict] = []
         self.plan: list[dict] = []
         self.steps = 0
@@ -68,6 +68,7 @@ class PoolRecorder:
         self.host_tables: dict[int, tuple[int, ...]] = {}
         self.lengths: dict[int, tuple] = {}  # seq id -> (status, num_cached, num_tokens) at the last record
         self.ids: dict[int, int] = {}  # L2/L3: requests have no seq_id; object id -> a number in arrival order
+        self._l2: _L2Request | None = None  # L2's request now running, as far as its forwards show it
         self._undo: list[tuple[Any, str]] = []
         a = engine.allocator
         host = getattr(getattr(engine, "scheduler", None), "host", None)
@@ -120,7 +121,7 @@ class PoolRecorder:
                 engine.model = _ModelProxy(engine.model, self._forward_l2, lambda: self._end("step"))
                 self._undo.append((engine, "model"))
             return
-        self._wrap(engine, "step", lambda r: self._end("step", r), before=lambda: self._begin())
+        self._wrap(engine, "step", lambda r: self._end("step"), before=lambda: self._begin())
         self._wrap(sched, "schedule", lambda plan: self._plan(plan))
         if hasattr(engine, "with_drafts"):  # L11 on: a decode may carry drafts
             self._wrap(engine, "with_drafts", lambda plan, *a: self._plan(plan))
@@ -171,13 +172,10 @@ class PoolRecorder:
         if self.events or self._changed():
             self._end("between")  # work done between steps: a server's abort
 
-    def _end(self, kind: str, finished: list[Any] | None = None) -> None:
+    def _end(self, kind: str) -> None:
         for seq in live_sequences(self.engine):
             self.known.setdefault(_id(seq), seq)
         self.steps += kind == "step"
-        if self.max_steps is not None and self.steps > self.max_steps:
-            self.events, self.plan = [], []
-            return
         record = {"kind": kind, "step": getattr(self.engine, "clock", self.steps), "plan": self.plan,
                   "events": self.events, **self._diff()}
         self.events, self.plan = [], []
@@ -225,7 +223,7 @@ class PoolRecorder:
     def _forward_l2(self, meta: Any) -> None:
         S = self.engine.block_size
         table = [int(s) // S for s in meta.kv_indices[::S].tolist()]
-        req = getattr(self, "_l2", None)
+        req = self._l2
         if meta.is_prefill:
             if req is not None:  # L2 freed the last request's blocks before taking this one
                 req.blocks, req.status = [], _Status("finished")
@@ -237,7 +235,7 @@ class PoolRecorder:
 
     def close(self) -> None:
         """Write what is left (a last step, a free after it) and detach: the engine runs its own code again."""
-        if getattr(self, "_l2", None) is not None and not self.engine.allocator.num_free < self.engine.allocator.num_blocks:
+        if self._l2 is not None and self.engine.allocator.num_free == self.engine.allocator.num_blocks:
             self._l2.blocks, self._l2.status = [], _Status("finished")  # L2 freed its last request after the forward
         if self.events or self._changed():
             self._end("between")
