@@ -168,14 +168,12 @@ _warmed = False
 
 
 def _warm() -> None:
-    """What every run of task tests pays first, paid once before the forks: torch's, transformers' and
-    hypothesis's imports (pytest's hypothesis plugin imports it at every session's end: 1.8 s a run) and the first
-    load of each model (about 2.5 s a run on a 2-core EPYC). One torch thread: a process that forks must not have
-    started an OpenMP pool, and the children run their tests on one thread too."""
+    """What every run of task tests pays first, paid once before the forks: torch's and transformers' imports and
+    the first load of each model (about 2.5 s a run on a 2-core EPYC). One torch thread: a process that forks
+    must not have started an OpenMP pool, and the children run their tests on one thread too."""
     global _warmed
     if _warmed:
         return
-    import hypothesis  # noqa: F401
     import torch
     from shared.hf_reference import HfReference
     from shared.model import Qwen3ForCausalLM
