@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from pool_viewer import LESSONS, build, run, token_pieces, workload  # noqa: E402
 from shared.pool_page import page_data, render  # noqa: E402
 from shared.pool_replay import replay  # noqa: E402
-from shared.pool_trace import PoolRecorder  # noqa: E402
+from shared.pool_trace import PoolRecorder, read_trace  # noqa: E402
 from test_pool_trace import CheckedTrace, all_returned  # noqa: E402
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="Selenium is not installed: pip install -e '.[browser]'")
@@ -172,3 +172,25 @@ def test_the_live_page_follows_a_running_server(browser):
     finally:
         status = server.stop()
     assert status == 0, server.stderr_tail()
+
+
+@pytest.mark.slow  # two ranks and HF
+def test_l10s_pool_from_its_smokes_trace(browser, tmp_path, tiny_dir):
+    """L10 runs over several processes, so pool_viewer.py has no L10 workload of its own: its smoke's --trace
+    records rank 0's engine (which holds the whole pool), and the page draws it."""
+    import subprocess
+
+    trace_path, page = tmp_path / "l10.jsonl", tmp_path / "l10.html"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "l10_smoke.py"), "--prompt", "The capital of France is",
+                        "--prompt", "Hello", "--max-new-tokens", "4", "--trace", str(trace_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "pool_viewer.py"), "--trace", str(trace_path),
+                        "--out", str(page)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "L10 pool" in r.stdout, r.stderr
+    frames = replay(read_trace(trace_path))
+    assert frames[0][0]["plan"] and {p["seq"] for p in frames[0][0]["plan"]} == {0, 1}
+    browser.get(page.as_uri())
+    browser.execute_script("window.poolViewer.show(1)")
+    assert shown(browser)[0] == frames[0][1].tables
+    assert errors(browser) == []
