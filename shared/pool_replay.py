@@ -18,6 +18,17 @@ class ReplayError(ValueError):
     pass
 
 
+SAY = {  # the events whose words need only their own fields (alloc, free and share show in the tables' changes)
+    "cow": "copy-on-write: shared block {src} copied to block {dst} before a write into it",
+    "evict": "block {block} evicted from the prefix cache to be reused",
+    "register": "block {block} registered in the prefix cache ({tokens}-token prefix)",
+    "swap_out": "swap out: device blocks {blocks} -> host blocks {host}",
+    "swap_in": "swap in: host blocks {host} -> device blocks {blocks}",
+    "fork": "request {seq} forks request(s) {children}: they share its blocks (ref counts rise)",
+    "abort": "request(s) {seqs} aborted: their blocks return",
+}
+
+
 @dataclass
 class SeqInfo:
     status: str = "waiting"
@@ -180,7 +191,7 @@ class PoolState:
                                f"not computed again")
         self._plan = record["plan"]
         for e in record["events"]:
-            line = self._say(e, before)
+            line = self._say(e)
             if line:
                 out.append(line)
         for i, was, info in changed:  # then who finished
@@ -206,23 +217,13 @@ class PoolState:
     def _forked(record: dict) -> set[int]:
         return {c for e in record["events"] if e["op"] == "fork" for c in e["children"]}
 
-    def _say(self, e: dict, before: dict[int, SeqInfo]) -> str | None:
+    def _say(self, e: dict) -> str | None:
         op = e["op"]
-        if op == "cow":
-            return f"copy-on-write: shared block {e['src']} copied to block {e['dst']} before a write into it"
-        if op == "evict":
-            return f"block {e['block']} evicted from the prefix cache to be reused"
-        if op == "register":
-            return f"block {e['block']} registered in the prefix cache ({e['tokens']}-token prefix)"
+        if op in SAY:
+            return SAY[op].format(**e)
         if op == "preempt":
             return (f"request {e['seq']} preempted: its blocks copied to host memory" if e["to"] == "host" else
                     f"request {e['seq']} preempted: its blocks freed, its tokens to be computed again")
-        if op == "swap_out":
-            return f"swap out: device blocks {e['blocks']} -> host blocks {e['host']}"
-        if op == "swap_in":
-            return f"swap in: host blocks {e['host']} -> device blocks {e['blocks']}"
-        if op == "fork":
-            return f"request {e['seq']} forks request(s) {e['children']}: they share its blocks (ref counts rise)"
         if op == "rollback":
             p = next((p for p in self._plan if p["seq"] == e["seq"]), None)
             if p is None or not p.get("drafts"):
@@ -231,8 +232,6 @@ class PoolState:
             rest = "" if kept == p["drafts"] else f"; the {p['drafts'] - kept} rejected rolled back"
             return (f"request {e['seq']} kept {kept} of {p['drafts']} draft token(s) and the target's own{rest}: "
                     f"its cache holds {e['end'] - 1} tokens")
-        if op == "abort":
-            return f"request(s) {e['seqs']} aborted: their blocks return"
         return None
 
 
