@@ -189,9 +189,8 @@ class PoolState:
                 if hit:
                     out.append(f"request {i} admitted with a prefix-cache hit: {hit} tokens ({hit // S} blocks) "
                                f"not computed again")
-        self._plan = record["plan"]
         for e in record["events"]:
-            line = self._say(e)
+            line = self._say(e, record["plan"])
             if line:
                 out.append(line)
         for i, was, info in changed:  # then who finished
@@ -217,7 +216,8 @@ class PoolState:
     def _forked(record: dict) -> set[int]:
         return {c for e in record["events"] if e["op"] == "fork" for c in e["children"]}
 
-    def _say(self, e: dict) -> str | None:
+    @staticmethod
+    def _say(e: dict, plan: list[dict]) -> str | None:
         op = e["op"]
         if op in SAY:
             return SAY[op].format(**e)
@@ -225,7 +225,7 @@ class PoolState:
             return (f"request {e['seq']} preempted: its blocks copied to host memory" if e["to"] == "host" else
                     f"request {e['seq']} preempted: its blocks freed, its tokens to be computed again")
         if op == "rollback":
-            p = next((p for p in self._plan if p["seq"] == e["seq"]), None)
+            p = next((p for p in plan if p["seq"] == e["seq"]), None)
             if p is None or not p.get("drafts"):
                 return None  # a plain decode: nothing to roll back
             kept = e["end"] - p["from"] - 2  # the history gained kept drafts + the target's own token
