@@ -48,6 +48,7 @@ from shared.cli import resolve_model_dir, smoke_parser  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engine  # noqa: E402
 from shared.smoke import Setup, exit_with, prepare, run_smoke  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
@@ -296,7 +297,8 @@ def run_quantized(args) -> int:
         check_tp(model.config, args.tp)
         engine = make_l12(model, args)
     t0 = time.perf_counter()
-    outputs = run_engine(engine, setup.prompt_ids, setup.stop, args)
+    with record_engine(engine, args.trace, "l12"):  # --trace: the int8 engine's run (not the quality contract's)
+        outputs = run_engine(engine, setup.prompt_ids, setup.stop, args)
     seconds[f"L12 {kv}"] = time.perf_counter() - t0
     no_leak, leak = leak_line(engine)
     pool = pool_report(engine, setup.dtype, args)

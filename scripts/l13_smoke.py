@@ -40,6 +40,7 @@ from shared.generation import StopRule  # noqa: E402
 from shared.hf_reference import HfReference  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.parity import Verdict, compare  # noqa: E402
+from shared.pool_trace import record_engine  # noqa: E402
 from shared.server_process import ServerProcess  # noqa: E402
 from shared.smoke import Setup, _describe, exit_with, prepare  # noqa: E402
 
@@ -314,7 +315,8 @@ def checks(args, console: Console, setup: Setup, model: Qwen3ForCausalLM, engine
         seconds["tokenizer for llguidance"] = time.perf_counter() - t0
         grammars = {spec.key: compiler.compile(spec) for spec in GRAMMARS}
     t0 = time.perf_counter()
-    greedy = run_engine(engine, args, requests, grammars, stop, sampled=False)
+    with record_engine(engine, args.trace, "l13"):  # --trace: the lesson's run, grammars and all
+        greedy = run_engine(engine, args, requests, grammars, stop, sampled=False)
     seconds["L13 greedy"] = time.perf_counter() - t0
 
     # HF with the same grammar: EOS is the grammar's end, and ends HF's output too (even with --ignore-eos)

@@ -37,7 +37,8 @@ def server_args(args) -> list[str]:
     out = ["--block-size", str(args.block_size), "--max-batched-tokens", str(args.max_batched_tokens),
            "--backend", args.backend, "--max-running", str(args.max_running), "--graphs", args.graphs,
            "--device", args.device]
-    for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--num-blocks", args.num_blocks)):
+    for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--num-blocks", args.num_blocks),
+                        ("--trace", args.trace)):  # the server's engine is L9's: it records its own trace
         if value is not None:
             out += [flag, str(value)]
     return out

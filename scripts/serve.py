@@ -59,7 +59,7 @@ from shared.config import Qwen3Config  # noqa: E402
 from shared.errors import CourseError, RunFailure  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
 from shared.pool_live import LivePool, add_routes  # noqa: E402
-from shared.pool_trace import PoolRecorder  # noqa: E402
+from shared.pool_trace import PoolRecorder, Tee  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
@@ -113,6 +113,8 @@ def parser() -> OneLineParser:
                    help="L14: a request's logits are bitwise the same whatever else the server runs (CPU, --tp 1)")
     p.add_argument("--pool-viewer", action="store_true",
                    help="also serve the KV pool, live, at /pool (read-only; a recorder follows every step)")
+    p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines, one per step) here; "
+                                                 "python scripts/pool_viewer.py --trace FILE draws it")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none (default: 0)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued for admission before new ones get 429 (default: 256)")
@@ -281,10 +283,17 @@ def build(args) -> tuple[Server, socket.socket]:
                           long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation,
                           **quantized_kv, **invariant)
     engine.stats.record_timeline = False
-    live = None
-    if args.pool_viewer:  # attached before the engine thread starts: every step is recorded, from the first
+    live, outs = None, []
+    if args.trace is not None:
+        try:
+            outs.append(open(args.trace, "w", buffering=1))  # line-buffered: a server stopped leaves whole lines
+        except OSError as e:
+            raise CourseError(f"--trace {args.trace}: {e.strerror}") from None
+    if args.pool_viewer:
         live = LivePool(decode=lambda token: tokenizer.decode([token]))
-        PoolRecorder(engine, live, "l14" if args.tp == 1 else "l13")
+        outs.append(live)
+    if outs:  # attached before the engine thread starts: every step is recorded, from the first
+        PoolRecorder(engine, outs[0] if len(outs) == 1 else Tee(*outs), "l14" if args.tp == 1 else "l13")
     kv_line = ""
     if args.kv_dtype != "auto":
         kv_line = f" · kv-dtype {args.kv_dtype} · kv-blocks {engine.allocator.num_blocks}"

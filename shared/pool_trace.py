@@ -330,7 +330,24 @@ def record_engines(engine_class: type, path: str | Path | None, lesson: str = ""
         for recorder, _ in recorders:
             recorder.close()
         ran = [out.getvalue() for _, out in recorders if out.getvalue().count("\n") > 1]
-        Path(path).write_text(ran[-1] if ran else "")
+        if ran:  # none here: the engine ran elsewhere (L9's smoke: in its server, which writes the trace itself)
+            Path(path).write_text(ran[-1])
+
+
+class Tee:
+    """One recorder, two outputs (serve.py with --trace and --pool-viewer)."""
+
+    def __init__(self, *outs: TextIO):
+        self.outs = outs
+
+    def write(self, line: str) -> int:
+        for out in self.outs:
+            out.write(line)
+        return len(line)
+
+    def flush(self) -> None:
+        for out in self.outs:
+            out.flush()
 
 
 def read_trace(path: str | Path) -> list[dict]:

@@ -86,21 +86,21 @@ def run_smoke(lesson: str, args: argparse.Namespace, build_engines: BuildEngines
     setup = prepare(args, Console(stderr=True))
     outputs: dict[str, list[list[int]]] = {}
     seconds: dict[str, float] = {}
-    # --trace: the lesson's own engine records (the last that ran, if the script builds several)
-    with record_engines(lesson_engine(lesson), args.trace, lesson.lower()) if getattr(args, "trace", None) else nullcontext():
-        with console.status("loading weights...") if not args.json else nullcontext():
-            model = Qwen3ForCausalLM.from_dir(setup.model_dir, setup.dtype, setup.device)
-            engines = build_engines(model, args)  # lesson-specific checks (block size, pool) raise here
-        for name, run in engines.items():
-            t0 = time.perf_counter()
-            outputs[name] = run(setup.prompt_ids, setup.stop)
-            seconds[name] = time.perf_counter() - t0
-            if name == lesson:
-                break
-    for name, run in list(engines.items())[len(outputs):]:
+
+    def timed(name: str, run: RunPrompts) -> None:
         t0 = time.perf_counter()
         outputs[name] = run(setup.prompt_ids, setup.stop)
         seconds[name] = time.perf_counter() - t0
+
+    # --trace: the lesson's own engine records (the last that ran, if the script builds several), in its run only
+    trace = getattr(args, "trace", None)
+    with record_engines(lesson_engine(lesson), trace, lesson.lower()) if trace else nullcontext():
+        with console.status("loading weights...") if not args.json else nullcontext():
+            model = Qwen3ForCausalLM.from_dir(setup.model_dir, setup.dtype, setup.device)
+            engines = build_engines(model, args)  # lesson-specific checks (block size, pool) raise here
+        timed(*next(iter(engines.items())))  # the lesson under test comes first
+    for name, run in list(engines.items())[1:]:
+        timed(name, run)
     hf = HfReference(setup.model_dir, setup.dtype, setup.device)
     t0 = time.perf_counter()
     hf_out = [hf.generate(ids, setup.stop) for ids in setup.prompt_ids]
