@@ -69,6 +69,14 @@ def errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
 
 
+def load(driver, url: str) -> None:
+    """Open `url` with the console log emptied: what a test reads is this page's (a live page left behind keeps
+    polling its stopped server, and Chromium logs each refused fetch)."""
+    driver.get("about:blank")
+    driver.get_log("browser")
+    driver.get(url)
+
+
 def shown(driver) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """What the page shows now: each request row's table, and each held block's owners in the grid."""
     tables = driver.execute_script("""
@@ -91,7 +99,7 @@ def shown(driver) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
 def test_the_page_shows_what_the_replay_rebuilt(lesson, pages, browser):
     html, trace = pages[lesson]
     frames = replay(trace)
-    browser.get(html.as_uri())
+    load(browser, html.as_uri())
     assert browser.execute_script("return window.poolViewer.count") == len(frames) + 1
     for at in sorted({1, len(frames) // 3, 2 * len(frames) // 3, len(frames)} - {0}):
         browser.execute_script("window.poolViewer.show(arguments[0])", at)
@@ -109,7 +117,7 @@ def test_the_page_shows_what_the_replay_rebuilt(lesson, pages, browser):
 @pytest.mark.slow
 def test_controls_work(pages, browser):
     html, trace = pages["l6"]
-    browser.get(html.as_uri() + "#frame=3")
+    load(browser, html.as_uri() + "#frame=3")
     frame = lambda: browser.execute_script("return window.poolViewer.frame()")  # noqa: E731
     assert frame() == 3
     slider = browser.find_element(By.ID, "slider")
@@ -158,7 +166,7 @@ def test_the_live_page_follows_a_running_server(browser):
         assert any("forks" in w for w in words) and any("copy-on-write" in w for w in words), words
         bad = httpx.get(f"{base}/pool/frames", params={"after": "x"}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
-        browser.get(f"{base}/pool")
+        load(browser, f"{base}/pool")
         deadline = time.monotonic() + 20
         while browser.execute_script("return window.poolViewer.count") < len(got["frames"]):
             assert time.monotonic() < deadline, "the live page never fetched the frames"
@@ -170,6 +178,7 @@ def test_the_live_page_follows_a_running_server(browser):
         again = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=4)
         assert again.choices[0].text is not None
     finally:
+        browser.get("about:blank")  # before the server stops: the page would keep polling it
         status = server.stop()
     assert status == 0, server.stderr_tail()
 
@@ -190,7 +199,7 @@ def test_l10s_pool_from_its_smokes_trace(browser, tmp_path, tiny_dir):
     assert r.returncode == 0 and "L10 pool" in r.stdout, r.stderr
     frames = replay(read_trace(trace_path))
     assert frames[0][0]["plan"] and {p["seq"] for p in frames[0][0]["plan"]} == {0, 1}
-    browser.get(page.as_uri())
+    load(browser, page.as_uri())
     browser.execute_script("window.poolViewer.show(1)")
     assert shown(browser)[0] == frames[0][1].tables
     assert errors(browser) == []
