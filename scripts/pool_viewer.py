@@ -12,9 +12,10 @@ shared/pool_replay.py rebuilt from the trace, and tests/test_pool_trace.py check
 engine after every step.
 
 The workload: --requests requests share a system prompt (so from L6 on later ones hit the prefix cache),
-arrive --stagger steps apart, the fourth with a long prompt (from L8 on it is prefilled in slices), and one is sampled n = 2 ways (from L6 on: a fork and its copy-on-write); from
-L9 on one is aborted; L11's drafts come from the target's own continuation with some made wrong, so some
-are kept and some rolled back. The pool is small enough that L5 on has to preempt.
+arrive --stagger steps apart, the fourth with a long prompt (from L8 on it is prefilled in slices), and one is
+sampled n = 2 ways (from L6 on: a fork and its copy-on-write); from L9 on one is aborted; L11's drafts come
+from the target's own continuation with some made wrong, so some are kept and some rolled back. The pool is
+small enough that L5 on has to preempt.
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def workload(vocab: int, args) -> list[tuple[list[int], StopRule]]:
 
 
 def build(lesson: str, model, args):
-    from lessons.l4_continuous.sampling import SamplingParams
-
+    """The lesson's engine, set up to show its idea on this workload (L8 on: a 16-token budget, so long prompts
+    are sliced; L11 on: drafts replayed from the target's own continuation, about 30% of them wrong)."""
     S, N = args.block_size, args.num_blocks
     if lesson == "l2":
         from lessons.l2_token_flat import L2Engine
@@ -112,7 +113,6 @@ def build(lesson: str, model, args):
         from lessons.l13_structured import L13Engine
         return L13Engine(model, S, N, backend="torch", graphs=False, **spec)
     from lessons.l14_batch_invariant import L14Engine
-    _ = SamplingParams
     return L14Engine(model, S, N, graphs=False, **spec)
 
 

@@ -2,8 +2,8 @@
 equals the engine's own (free list order, reference counts, cached blocks, the prefix cache's keys, every block
 table, the host pool). So the viewer's picture is the engine's. Workloads mix arrivals, aborts, n > 1 forks,
 both preemption policies, speculation with rejected drafts and chunked prefill, on the fake runner (fast, and
-it fails at once on a block lost, shared or restored wrongly); the lessons that need the real model (L2, L3,
-L7, L12) run a short workload on the embedded one."""
+it fails at once on a block lost, shared or restored wrongly); L2 and L3, which have no scheduler, run a short
+workload on the embedded model (tests/test_pool_viewer.py records every lesson's run so, checked the same way)."""
 from __future__ import annotations
 
 import io
