@@ -14,7 +14,8 @@ from usage, is what the report shows), and asks for exactly `output` tokens (max
 --ignore-eos the request also asks the server not to stop at end-of-sequence, so every request produces its
 full length. Servers spell that differently: vLLM, SGLang and this course's server take `"ignore_eos": true`;
 `transformers serve` rejects unknown fields with 422, and takes `--ignore-eos-field generation_config`, which
-sends a generation config whose eos_token_id is -1 (no token ends the sequence).
+sends a generation config whose eos_token_id is -1 (no token ends the sequence); llama-cpp-python's server takes
+`--ignore-eos-field min_tokens` (vLLM's field too: end-of-sequence masked until max_tokens).
 
 Arrivals: request i is released at its arrival time (all at once with the default --request-rate inf; else gaps
 of exactly 1/rate with --arrivals fixed, or exponential gaps of mean 1/rate with poisson), then waits for one of
@@ -53,7 +54,7 @@ from shared.cli import OneLineParser  # noqa: E402
 
 ENDPOINTS = ("chat", "completions")
 ARRIVALS = ("poisson", "fixed")
-EOS_FIELDS = ("ignore_eos", "generation_config")
+EOS_FIELDS = ("ignore_eos", "generation_config", "min_tokens")
 # Common short words: with a leading space each is one token in Qwen's (and most BPE) vocabularies.
 WORDS = tuple("""the of and to in is it you that he was for on are as with his they at be this have from or one
 had by word but not what all were we when your can said there use an each which she do how their if will up
@@ -192,12 +193,14 @@ def make_workload(spec: LoadSpec) -> list[Job]:
     return [Job(i, p, n_in, n_out, t) for i, (p, (n_in, n_out), t) in enumerate(zip(prompts, lengths, times))]
 
 
-def extra_body(spec: LoadSpec) -> dict | None:
-    """The non-OpenAI fields of each request: how to ask the server not to stop at end-of-sequence."""
+def extra_body(spec: LoadSpec, max_tokens: int = 0) -> dict | None:
+    """The non-OpenAI fields of a request for `max_tokens`: how to ask the server not to stop at end-of-sequence."""
     if not spec.ignore_eos:
         return None
     if spec.ignore_eos_field == "generation_config":  # transformers serve: a JSON string replacing its defaults
         return {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
+    if spec.ignore_eos_field == "min_tokens":  # llama-cpp-python's server: end-of-sequence masked until then
+        return {"min_tokens": max_tokens}
     return {"ignore_eos": True}
 
 
@@ -237,7 +240,7 @@ def chunk_text(chunk, endpoint: str) -> tuple[str, str | None]:
 async def send(client, spec: LoadSpec, model: str, job: Job, record: RequestRecord, t0: float) -> None:
     """Stream one request into `record`; a failure is recorded, never raised."""
     kwargs = dict(model=model, max_tokens=job.max_tokens, temperature=0, stream=True,
-                  stream_options={"include_usage": True}, extra_body=extra_body(spec), timeout=spec.timeout)
+                  stream_options={"include_usage": True}, extra_body=extra_body(spec, job.max_tokens), timeout=spec.timeout)
     start = time.perf_counter()
     record.sent_s = start - t0
     try:
@@ -411,8 +414,8 @@ def parser() -> OneLineParser:
     p.add_argument("--seed", type=int, default=0, help="the same seed sends the same workload (default: 0)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens")
     p.add_argument("--ignore-eos-field", default="ignore_eos", choices=EOS_FIELDS,
-                   help="how --ignore-eos is sent: ignore_eos (vLLM, SGLang, this course) or generation_config "
-                        "(transformers serve)")
+                   help="how --ignore-eos is sent: ignore_eos (vLLM, SGLang, this course), generation_config "
+                        "(transformers serve) or min_tokens (llama-cpp-python's server)")
     p.add_argument("--goodput-ttft-ms", type=float, help="goodput bound on TTFT")
     p.add_argument("--goodput-tpot-ms", type=float, help="goodput bound on TPOT")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")

@@ -47,10 +47,11 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, args: list[str] = (), threads: int = 1, startup_timeout: float = 180.0, serve: Path = SERVE,
                  *, cmd: list[str] | None = None, url: str = "", model: str = "", env: dict | None = None,
-                 label: str = "serve.py"):
+                 label: str = "serve.py", ready_path: str = "/health"):
         self.threads, self.startup_timeout, self.label = threads, startup_timeout, label
         self.cmd = cmd or [sys.executable, str(serve), "--port", "0", "--threads", str(threads), *args]
-        self.by_banner = cmd is None  # serve.py says where it serves; another server is asked GET /health
+        self.by_banner = cmd is None  # serve.py says where it serves; another server is asked GET ready_path
+        self.ready_path = ready_path  # a path from the server's root; llama-cpp-python's has no /health
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.url, self.model = url, model
         self.proc: subprocess.Popen | None = None
@@ -86,7 +87,7 @@ class ServerProcess:
         import httpx
 
         try:
-            return httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200
+            return httpx.get(self.url.removesuffix("/v1") + self.ready_path, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

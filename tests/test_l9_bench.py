@@ -60,4 +60,4 @@ def test_planned_names_what_the_servers_run_for_the_doc_test():
     plan = l9_bench.planned(args, {}, "cpu")
     assert (plan["threads"], plan["dtype"]) == ("2", "bfloat16")
     assert plan["backend"] == harness.resolve_backend("torch", "cpu", harness.torch.bfloat16)
-    assert l9_bench.planned(l9_bench.parser().parse_args(["--only", "hf"]), {}, "cpu")["backend"] == "hf"
+    assert l9_bench.planned(l9_bench.parser().parse_args(["--only", "peer"]), {}, "cpu")["backend"] == "HF"

@@ -158,3 +158,47 @@ def test_serve_answers_a_chat_through_the_official_client(smollm2):
                                                max_tokens=24, temperature=0)
     text = reply.choices[0].message.content
     assert "Paris" in text and reply.choices[0].finish_reason == "stop", text
+
+
+@pytest.fixture(scope="module")
+def smollm2_weights(smollm2):
+    from safetensors.torch import load_file
+
+    return {k: v for f in smollm2.glob("*.safetensors") for k, v in load_file(f).items()}
+
+
+@needs_package
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_gguf_export_holds_the_weights_the_course_runs(smollm2_weights, tmp_path, dtype):
+    """llama.cpp's peer file (scripts/benchmark/gguf_export.py): each tensor equals the course's checkpoint's, in
+    the same dtype; q and k in llama.cpp's row order (the permutation transformers' loader undid)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
+    from gguf_export import export
+    from shared.named_models import gguf_path
+
+    ours = smollm2_weights
+    pairs = {"token_embd.weight": "model.embed_tokens.weight",
+             "blk.7.attn_norm.weight": "model.layers.7.input_layernorm.weight",
+             "blk.7.attn_q.weight": "model.layers.7.self_attn.q_proj.weight",
+             "blk.7.attn_k.weight": "model.layers.7.self_attn.k_proj.weight",
+             "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight",
+             "blk.7.ffn_down.weight": "model.layers.7.mlp.down_proj.weight"}
+    out = export(gguf_path(NAMED["smollm2"]), tmp_path / f"x-{dtype}.gguf", dtype, set(pairs))
+    reader = GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == {"f32": 0, "bf16": 32}[dtype]
+    assert reader.fields["tokenizer.chat_template"].contents().startswith("{% for message in messages %}")
+    heads = {"attn_q": 9, "attn_k": 3}
+    for tensor in reader.tensors:
+        raw = np.array(tensor.data)
+        got = (torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16) if tensor.tensor_type.name == "BF16"
+               else torch.from_numpy(raw))
+        want = ours[pairs[tensor.name]].to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        kind = tensor.name.split(".")[-2]
+        if kind in heads:  # llama.cpp's rope layout: each head's rows interleaved by halves
+            n = heads[kind]
+            want = want.reshape(n, 2, want.shape[0] // n // 2, -1).transpose(1, 2).reshape(want.shape)
+        assert torch.equal(got.to(want.dtype), want), tensor.name
+    assert {t.name for t in reader.tensors} == set(pairs)

@@ -1,9 +1,10 @@
-"""L9's server against HuggingFace's own (`transformers serve --continuous-batching`): the same model, the same
-load, one invocation.
+"""L9's server against HuggingFace's own (`transformers serve --continuous-batching`), or llama.cpp's
+(`--peer llamacpp`): the same model, the same load, one invocation.
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l9_bench.py [--quick] [--concurrency 8,32] [--num-requests 64]
         [--endpoint chat|completions] [--input-len 32-256] [--output-len 16-64] [--seed 0] [--threads 1]
-        [--only ours|hf] [--num-blocks N] [--max-batched-tokens N] [--ours-args="..."] [--hf-args="..."]
+        [--peer hf|llamacpp] [--only ours|peer] [--num-blocks N] [--max-batched-tokens N] [--ours-args="..."]
+        [--hf-args="..."] [--peer-args="..."]
         [--model DIR] [--json PATH]
     OMP_NUM_THREADS=1 python scripts/benchmark/l9_bench.py --curve [--png PATH]
 
@@ -15,6 +16,11 @@ with SIGTERM. The load: --num-requests chat completions released at once, prompt
 eos_token_id -1). Every request's output tokens (usage) must equal its max_tokens and prompt tokens must agree
 between the servers, else exit status 1; texts are compared for information only. Our pool fits every request
 of the largest concurrency at once (--num-blocks overrides); HF's keeps its defaults (--hf-args).
+
+`--peer llamacpp --model smollm2` compares with llama-cpp-python's OpenAI server (the llamacpp extra) on
+scripts/benchmark/gguf_export.py's GGUF of the same weights in our dtype, one thread; it serves one request at a
+time (a lock around its model), streams no usage (its text chunks are counted, one per token) and takes
+`min_tokens` for ignore-EOS. Target there: at least 1x its throughput with a lower p99 TTFT.
 
 Reported per concurrency with the ratio ours / HF: request and output-token throughput, TTFT, TPOT, ITL p50/p99,
 E2EL p50, then the conditions line (the backend our server's log names). Target (a benchmark, not a test): at
@@ -59,8 +65,11 @@ OUTPUT_LEN = "16-64"
 BLOCK_SIZE = 16
 CHAT_OVERHEAD = 16  # tokens a chat template adds around one user message, with room to spare
 WARMUP = LoadSpec(num_requests=4, concurrency=4, input_len=(16, 48), output_len=(8, 8), seed=12345)
-THROUGHPUT_TARGET = 2.0
-NAMES = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching"}
+THROUGHPUT_TARGET = {"HF": 2.0, "llama.cpp": 1.0}  # ours / the peer's output tok/s, at every concurrency
+NAMES = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching",
+         "llama.cpp": "llama.cpp's server (llama-cpp-python: one request at a time)"}
+PEERS = {"hf": "HF", "llamacpp": "llama.cpp"}  # --peer -> its label
+LLAMACPP_CTX = 2048  # llama-cpp-python serves one request at a time: one request's context is enough
 COLUMNS = [  # (label, summary path, higher is better)
     ("req/s", ("request_throughput",), True), ("output tok/s", ("output_throughput",), True),
     ("TTFT p50", ("ttft_ms", "p50"), False), ("TTFT p99", ("ttft_ms", "p99"), False),
@@ -94,6 +103,19 @@ def hf(args, model_dir: Path, hf_home: Path) -> ServerProcess:
                          env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home)})
 
 
+def llamacpp(args, gguf: Path) -> ServerProcess:
+    """llama-cpp-python's server on the GGUF of the same weights in our dtype. --interrupt_requests False: by
+    default a new request cuts the one streaming."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
+           "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
+           str(args.threads), "--n_ctx", str(LLAMACPP_CTX), "--interrupt_requests", "False",
+           *shlex.split(args.peer_args)]
+    return ServerProcess(threads=args.threads, startup_timeout=args.startup_timeout, cmd=cmd,
+                         url=f"http://127.0.0.1:{port}/v1", model="smollm2", label="llama.cpp",
+                         ready_path="/v1/models")
+
+
 def our_options(args) -> argparse.Namespace:
     """The serve.py options --ours-args sets that the conditions line reports (backend, dtype)."""
     p = argparse.ArgumentParser(add_help=False)
@@ -107,7 +129,7 @@ def planned(args, env: dict[str, str], measured_device: str) -> dict[str, str]:
     CPU with --threads torch threads each, ours with the backend and dtype serve.py resolves from --ours-args."""
     opts = our_options(args)
     dtype = resolve_dtype(opts.dtype, harness.torch.device("cpu"))
-    backend = harness.resolve_backend(opts.backend, "cpu", dtype) if args.only != "hf" else "hf"
+    backend = harness.resolve_backend(opts.backend, "cpu", dtype) if args.only != "peer" else PEERS[args.peer]
     return {"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "backend": backend,
             "threads": str(args.threads)}
 
@@ -172,18 +194,21 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def token_check(spec: LoadSpec, by_server: dict[str, LoadResult]) -> dict:
-    """Both servers must have produced exactly max_tokens per request, counted by themselves (usage), on the
-    same prompt token counts; identical greedy texts are counted for information."""
+    """Both servers must have produced exactly max_tokens per request, counted by themselves (usage; llama.cpp's
+    server streams no usage: its text chunks, one per token, are counted), on the same prompt token counts where
+    both report them; identical greedy texts are counted for information."""
     problems, same_text, first_diff = [], 0, None
     for label, result in by_server.items():
+        counted = ("usage", "chunks") if label == "llama.cpp" else ("usage",)
         problems += [f"{label}: request {r.index} produced {r.output_tokens} tokens ({r.token_source}), asked for "
                      f"{r.max_tokens}" for r in result.records
-                     if r.ok and (r.token_source != "usage" or r.output_tokens != r.max_tokens)]
+                     if r.ok and (r.token_source not in counted or r.output_tokens != r.max_tokens)]
     if len(by_server) == 2:
-        a, b = by_server.values()
+        (_, a), (peer, b) = by_server.items()
         for x, y in ((x, y) for x, y in zip(a.records, b.records) if x.ok and y.ok):
-            if x.prompt_tokens != y.prompt_tokens:
-                problems.append(f"request {x.index}: prompt tokens {x.prompt_tokens} (ours) vs {y.prompt_tokens} (HF)")
+            if None not in (x.prompt_tokens, y.prompt_tokens) and x.prompt_tokens != y.prompt_tokens:
+                problems.append(f"request {x.index}: prompt tokens {x.prompt_tokens} (ours) vs {y.prompt_tokens} "
+                                f"({peer})")
             same_text += x.text == y.text
             if x.text != y.text and first_diff is None:
                 at = len(os.path.commonprefix([x.text, y.text]))
@@ -203,7 +228,8 @@ def compare(measured: dict, specs: list[LoadSpec]) -> list[dict]:
         row = {"concurrency": spec.concurrency, "servers": values, "summaries": summaries,
                "tokens": token_check(spec, by_server)}
         if len(values) == 2:
-            row["ratio"] = {name: ratio(values["ours"][name], values["HF"][name]) for name, _, _ in COLUMNS}
+            peer = [label for label in values if label != "ours"][0]
+            row["ratio"] = {name: ratio(values["ours"][name], values[peer][name]) for name, _, _ in COLUMNS}
         rows.append(row)
     return rows
 
@@ -215,17 +241,19 @@ def show(console: Console, rows: list[dict], labels: list[str]) -> None:
             cells.append([str(row["concurrency"]), label] + [harness.fmt(row["servers"][label][name], digits=1)
                                                             for name, _, _ in COLUMNS])
         if len(labels) == 2:
-            cells.append(["", "ours / HF"] + [harness.fmt(row["ratio"][name], "x", 2) for name, _, _ in COLUMNS])
+            cells.append(["", f"ours / {labels[1]}"]
+                         + [harness.fmt(row["ratio"][name], "x", 2) for name, _, _ in COLUMNS])
     console.print(harness.table(" vs ".join(NAMES[label] for label in labels), ["concurrency", "server"]
                                 + [name + ("" if name.endswith("/s") else " (ms)") for name, _, _ in COLUMNS], cells))
     if len(labels) == 2:
-        console.print("  ratio ours / HF: throughput higher is better, latencies lower is better")
+        console.print(f"  ratio ours / {labels[1]}: throughput higher is better, latencies lower is better")
 
 
-def target(rows: list[dict]) -> dict:
+def target(rows: list[dict], peer: str) -> dict:
     per = {row["concurrency"]: {"throughput_x": row["ratio"]["output tok/s"],
                                 "ttft_p99_x": row["ratio"]["TTFT p99"]} for row in rows}
-    met = {c: (v["throughput_x"] or 0) >= THROUGHPUT_TARGET and v["ttft_p99_x"] is not None and v["ttft_p99_x"] < 1
+    met = {c: (v["throughput_x"] or 0) >= THROUGHPUT_TARGET[peer]
+           and v["ttft_p99_x"] is not None and v["ttft_p99_x"] < 1
            for c, v in per.items()}
     return {"met": all(met.values()), "per_concurrency": per, "met_at": [c for c, ok in met.items() if ok]}
 
@@ -248,13 +276,18 @@ def parser() -> OneLineParser:
                    f"{CURVE['output_len']})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server (default: 1)")
-    p.add_argument("--only", choices=("ours", "hf"), help="run one server only (no ratios, no target)")
+    p.add_argument("--peer", default="hf", choices=tuple(PEERS), help="the server to compare with: hf (transformers "
+                   "serve, default) or llamacpp (llama-cpp-python's server on the same weights as a GGUF file: "
+                   "--model smollm2, the llamacpp extra)")
+    p.add_argument("--only", choices=("ours", "peer"), help="run one server only (no ratios, no target)")
     p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--num-blocks", type=int, help="our server's pool (default: every request of the largest "
                    "concurrency fits at once)")
     p.add_argument("--max-batched-tokens", type=int, help="our server's token budget per step (default: its own)")
     p.add_argument("--ours-args", default="", help='more options for scripts/serve.py, as --ours-args="--x 1"')
     p.add_argument("--hf-args", default="", help='more options for transformers serve, as --hf-args="--cb-num-blocks 64"')
+    p.add_argument("--peer-args", default="", help="more options for llama-cpp-python's server, as "
+                                                   '--peer-args="--n_batch 256"')
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server gets to answer")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", metavar="PATH", help="also write the report, every request included, as JSON")
@@ -293,7 +326,7 @@ def settings(args) -> list[LoadSpec]:
             spec.check()
     except LoadError as e:
         raise CourseError(str(e)) from None
-    for flag, text in (("--ours-args", args.ours_args), ("--hf-args", args.hf_args)):
+    for flag, text in (("--ours-args", args.ours_args), ("--hf-args", args.hf_args), ("--peer-args", args.peer_args)):
         try:
             shlex.split(text)
         except ValueError as e:
@@ -301,27 +334,41 @@ def settings(args) -> list[LoadSpec]:
     if args.num_blocks is None:  # every request of the largest level at once: the run measures scheduling alone
         per_request = math.ceil((base_spec.input_len[1] + CHAT_OVERHEAD + base_spec.output_len[1]) / BLOCK_SIZE)
         args.num_blocks = max(levels) * per_request + 1
-    needed = (["matplotlib"] if args.png else []) + (["fastapi", "uvicorn"] if args.only != "ours" else [])
+    if args.peer == "llamacpp" and args.only != "ours" and args.model != "smollm2":
+        raise CourseError(f"--peer llamacpp runs the real model's weights as a GGUF file: add --model smollm2 "
+                          f"(got --model {args.model})")
+    installs = {"matplotlib": ("--png", "pip install matplotlib"),
+                "fastapi": ("HF's server", 'pip install "transformers[serving]"'),
+                "uvicorn": ("HF's server", 'pip install "transformers[serving]"'),
+                "llama_cpp.server.app": ("llama.cpp's server", 'pip install -e ".[llamacpp]"')}
+    peer_needs = {"hf": ["fastapi", "uvicorn"], "llamacpp": ["llama_cpp.server.app"]}[args.peer]
+    needed = (["matplotlib"] if args.png else []) + (peer_needs if args.only != "ours" else [])
     for module in needed:  # fail before the first server, not after the run
         try:
             __import__(module)
         except ImportError:
-            raise CourseError(f"{'--png' if module == 'matplotlib' else 'HF' + chr(39) + 's server'} needs {module}: "
-                              + ("pip install matplotlib" if module == "matplotlib"
-                                 else 'pip install "transformers[serving]"')) from None
+            what, install = installs[module]
+            raise CourseError(f"{what} needs {module.split('.')[0]}: {install}") from None
     return specs
 
 
 def run(args, specs: list[LoadSpec], model_dir: Path, console: Console) -> dict:
-    """Ours, then HF's, each through every spec. {label: measure(...)}"""
+    """Ours, then the peer's, each through every spec. {label: measure(...)}"""
     out = {}
     with tempfile.TemporaryDirectory(prefix="l9_bench_hf_home_") as hf_home:
         (Path(hf_home) / "hub").mkdir()
-        if args.only != "hf":
+        if args.only != "peer":
             out["ours"] = measure(ours(args, model_dir), specs, args, console)
-        if args.only != "ours":  # transformers serve rejects ignore_eos: the same request, its own spelling
+        if args.only != "ours" and args.peer == "hf":  # it rejects ignore_eos: the same request, its own spelling
             hf_specs = [replace(s, ignore_eos_field="generation_config") for s in specs]
             out["HF"] = measure(hf(args, model_dir, Path(hf_home)), hf_specs, args, console)
+        if args.only != "ours" and args.peer == "llamacpp":
+            from gguf_export import exported
+
+            dtype = planned(args, {}, "cpu")["dtype"]
+            gguf = exported({"float32": "f32", "bfloat16": "bf16"}[dtype])
+            peer_specs = [replace(s, ignore_eos_field="min_tokens") for s in specs]
+            out["llama.cpp"] = measure(llamacpp(args, gguf), peer_specs, args, console)
     return out
 
 
@@ -346,7 +393,8 @@ def report_checks(console: Console, rows: list[dict], measured: dict) -> bool:
         if tokens["same_text"] is not None:
             diff = tokens["first_text_difference"]
             console.print(f"  concurrency {c}: greedy texts identical in {tokens['same_text']} of {tokens['requests']}"
-                          " requests (information)" + (f"; the first difference, ours vs HF: {diff}" if diff else ""))
+                          " requests (information)" + (f"; the first difference, ours vs {list(measured)[-1]}: {diff}"
+                                                       if diff else ""))
     for label, m in measured.items():
         for note in m["notes"]:
             console.print(f"  [yellow]{label}: {note}[/]")
@@ -367,10 +415,10 @@ def main() -> None:
                                code=["scripts/serve.py", "scripts/load.py"])
     spec = specs[0]
     conditions.extra.update({"model": model_dir.name, "servers": " then ".join(
-        s for s, skip in (("ours", "hf"), ("HF", "ours")) if args.only != skip), "workload": (
+        s for s, skip in (("ours", "peer"), (PEERS[args.peer], "ours")) if args.only != skip), "workload": (
         f"{'/'.join(str(s.num_requests) for s in specs)} {spec.endpoint} requests at once, prompts "
         f"{spec.input_len[0]}-{spec.input_len[1]} words, outputs {spec.output_len[0]}-{spec.output_len[1]} tokens")})
-    if args.only != "hf":
+    if args.only != "peer":
         conditions.extra["our pool"] = f"{args.num_blocks:,} blocks of {BLOCK_SIZE}" + (
             f", {args.ours_args}" if args.ours_args else "")
     if args.only != "ours" and args.hf_args:
@@ -393,10 +441,12 @@ def main() -> None:
         curve = curve_summary(rows, list(measured))
         show_curve(console, curve, list(measured))
     elif len(measured) == 2:
-        goal = target(rows)
+        goal = target(rows, PEERS[args.peer])
         per = "; ".join(f"concurrency {c}: throughput {harness.fmt(v['throughput_x'], 'x', 2)}, TTFT p99 "
                         f"{harness.fmt(v['ttft_p99_x'], 'x', 2)}" for c, v in goal["per_concurrency"].items())
-        console.print(f"target {'[green]met[/]' if goal['met'] else '[red]not met[/]'} (≥ {THROUGHPUT_TARGET:g}x HF's "
+        peer = PEERS[args.peer]
+        console.print(f"target {'[green]met[/]' if goal['met'] else '[red]not met[/]'} "
+                      f"(≥ {THROUGHPUT_TARGET[peer]:g}x {peer}'s "
                       f"output-token throughput with a lower p99 TTFT at every concurrency): {per}")
     console.print(f"wall time {wall:.0f} s")
     harness.finish(conditions, console)
@@ -439,8 +489,8 @@ def show_curve(console: Console, curve: dict, labels: list[str]) -> None:
         if len(labels) == 2:
             cells.append(harness.fmt(ratio(values[0]["output_tok_s"], values[1]["output_tok_s"]), "x", 2))
         rows.append(cells)
-    console.print(harness.table("throughput against concurrency", columns + (["tok/s ours / HF"] if len(labels) == 2
-                                                                             else []), rows))
+    ratio_column = [f"tok/s ours / {labels[1]}"] if len(labels) == 2 else []
+    console.print(harness.table("throughput against concurrency", columns + ratio_column, rows))
     for label in labels:
         c = curve[label]
         console.print(f"  {label}: best {c['best_output_tok_s']:,.1f} output tok/s; saturates at {c['saturates_at']} "
