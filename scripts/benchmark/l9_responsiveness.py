@@ -15,7 +15,8 @@ process with httpx:
     limit, the longest prompt the server cannot refuse untokenized (within the context at 128 bytes a
     token, but over it in tokens), a prompt of token IDs as large as the first, 5,000 levels of nested
     arrays in an unknown field, and fields of the wrong types; their status codes are counted (5xx apart);
-  - a probe: GET /health every --probe-interval seconds, one at a time, each latency kept.
+  - a probe, in a process of its own (health_probe.py, so this client's event loop adds no lag to it): GET
+    /health every --probe-interval seconds, one at a time, each latency kept.
 Reported per server: /health p50/p99/max, every stream's worst gap (max and p99 over streams), tokens/s (chunks
 that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts and each
 kind's median latency, and the client's own CPU share and event-loop lag (a lag near /health's latency means
@@ -138,17 +139,24 @@ async def hostile(client: httpx.AsyncClient, bodies: list[tuple[str, bytes]], in
         await asyncio.sleep(max(0.0, min(t, deadline) - time.perf_counter()))
 
 
-async def probe(client: httpx.AsyncClient, interval: float, deadline: float, m: Measured) -> None:
-    while (t := time.perf_counter()) < deadline:
-        ok = False
-        try:
-            ok = (await client.get("/health")).status_code == 200
-        except httpx.HTTPError:
-            pass
-        finally:  # also a probe still unanswered GRACE_S after the deadline: its wait so far counts
-            m.probe_ms.append((time.perf_counter() - t) * 1e3)
-            m.probe_failures += not ok
-        await asyncio.sleep(max(0.0, min(t + interval, deadline) - time.perf_counter()))
+PROBE = Path(__file__).resolve().parent / "health_probe.py"
+PROBE_START_S = 1.5  # the probe process's start-up (Python and httpx imports) happens before the window opens
+
+
+async def start_probe(base: str, interval: float, start: float, duration: float) -> asyncio.subprocess.Process:
+    """The /health probe in a process of its own (health_probe.py): this process's event loop, busy with every
+    stream's chunks, would add its own lag to each latency."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(PROBE), base, str(interval), str(start), str(start + duration), str(GRACE_S),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def probe_result(proc: asyncio.subprocess.Process, m: Measured) -> None:
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=2 * GRACE_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the /health probe exited with status {proc.returncode}: {err.decode()[-300:]}")
+    found = json.loads(out)
+    m.probe_ms, m.probe_failures = found["ms"], found["failures"]
 
 
 async def lag(deadline: float, m: Measured) -> None:
@@ -159,19 +167,22 @@ async def lag(deadline: float, m: Measured) -> None:
 
 async def load(base: str, model: str, context: int, args) -> Measured:
     m = Measured()
+    prober: asyncio.subprocess.Process | None = None
     clients = [httpx.AsyncClient(base_url=base, timeout=30, limits=httpx.Limits(max_connections=None))
-               for _ in range(3)]  # streams, hostile, probe: none waits for another's connection
+               for _ in range(2)]  # streams, hostile: neither waits for the other's connection
     body = {"model": model, "prompt": PROMPT, "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0}
     try:
         warm = await clients[0].post("/v1/completions", json={**body, "max_tokens": 8, "stream": False})
         if warm.status_code != 200:
             raise RuntimeError(f"the warm-up request got HTTP {warm.status_code}: {warm.text[:200]}")
+        opens = time.time() + PROBE_START_S
+        prober = await start_probe(base, args.probe_interval, opens, args.duration)
+        await asyncio.sleep(max(0.0, opens - time.time()))
         t0, cpu0 = time.perf_counter(), time.process_time()
         deadline = t0 + args.duration
         streams = [asyncio.create_task(streamer(clients[0], body, deadline, m)) for _ in range(args.clients)]
-        others = [asyncio.create_task(probe(clients[2], args.probe_interval, deadline, m)),
-                  asyncio.create_task(lag(deadline, m))]
+        others = [asyncio.create_task(probe_result(prober, m)), asyncio.create_task(lag(deadline, m))]
         if args.hostile_interval > 0:  # 0: none, the baseline the hostile load is judged against
             others.append(asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES, context),
                                                       args.hostile_interval, deadline, m)))
@@ -180,11 +191,17 @@ async def load(base: str, model: str, context: int, args) -> Measured:
             task.cancel()
         m.duration_s = time.perf_counter() - t0
         m.client_cpu = (time.process_time() - cpu0) / m.duration_s
-        await asyncio.wait(others, timeout=GRACE_S)  # the probe's and hostile's last requests finish
+        await asyncio.wait(others, timeout=GRACE_S + PROBE_START_S)  # the probe's and hostile's last requests finish
         for task in streams + others:
             task.cancel()
-        await asyncio.gather(*streams, *others, return_exceptions=True)
+        results = await asyncio.gather(*streams, *others, return_exceptions=True)
+        probe_outcome = results[len(streams)]
+        if isinstance(probe_outcome, BaseException):  # no latencies: say why instead of reporting none
+            raise RuntimeError(f"the /health probe gave no result: {probe_outcome!r}")
     finally:
+        if prober is not None and prober.returncode is None:
+            prober.kill()
+            await prober.wait()
         for c in clients:
             await c.aclose()
     return m
