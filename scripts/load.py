@@ -15,7 +15,8 @@ from usage, is what the report shows), and asks for exactly `output` tokens (max
 full length. Servers spell that differently: vLLM, SGLang and this course's server take `"ignore_eos": true`;
 `transformers serve` rejects unknown fields with 422, and takes `--ignore-eos-field generation_config`, which
 sends a generation config whose eos_token_id is -1 (no token ends the sequence); llama-cpp-python's server takes
-`--ignore-eos-field min_tokens` (vLLM's field too: end-of-sequence masked until max_tokens).
+`--ignore-eos-field min_tokens` (vLLM's field too: end-of-sequence masked until max_tokens), sent with
+`repeat_penalty` 1.0, since its default of 1.1 would make temperature 0 something other than greedy.
 
 Arrivals: request i is released at its arrival time (all at once with the default --request-rate inf; else gaps
 of exactly 1/rate with --arrivals fixed, or exponential gaps of mean 1/rate with poisson), then waits for one of
@@ -199,8 +200,8 @@ def extra_body(spec: LoadSpec, max_tokens: int = 0) -> dict | None:
         return None
     if spec.ignore_eos_field == "generation_config":  # transformers serve: a JSON string replacing its defaults
         return {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
-    if spec.ignore_eos_field == "min_tokens":  # llama-cpp-python's server: end-of-sequence masked until then
-        return {"min_tokens": max_tokens}
+    if spec.ignore_eos_field == "min_tokens":  # llama-cpp-python's server: end-of-sequence masked until then;
+        return {"min_tokens": max_tokens, "repeat_penalty": 1.0}  # its default, 1.1, is not greedy
     return {"ignore_eos": True}
 
 
@@ -240,7 +241,8 @@ def chunk_text(chunk, endpoint: str) -> tuple[str, str | None]:
 async def send(client, spec: LoadSpec, model: str, job: Job, record: RequestRecord, t0: float) -> None:
     """Stream one request into `record`; a failure is recorded, never raised."""
     kwargs = dict(model=model, max_tokens=job.max_tokens, temperature=0, stream=True,
-                  stream_options={"include_usage": True}, extra_body=extra_body(spec, job.max_tokens), timeout=spec.timeout)
+                  stream_options={"include_usage": True}, extra_body=extra_body(spec, job.max_tokens),
+                  timeout=spec.timeout)
     start = time.perf_counter()
     record.sent_s = start - t0
     try:

@@ -101,7 +101,7 @@ def test_extra_body_spells_ignore_eos_per_server():
     body = load.extra_body(LoadSpec(ignore_eos=True, ignore_eos_field="generation_config"))
     assert set(body) == {"generation_config"}
     assert json.loads(body["generation_config"])["eos_token_id"] == -1
-    assert load.extra_body(LoadSpec(ignore_eos=True, ignore_eos_field="min_tokens"), 37) == {"min_tokens": 37}
+    assert load.extra_body(LoadSpec(ignore_eos=True, ignore_eos_field="min_tokens"), 37) == {"min_tokens": 37, "repeat_penalty": 1.0}
 
 
 # ----- the numbers -----

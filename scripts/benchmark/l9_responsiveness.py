@@ -151,8 +151,9 @@ async def start_probe(base: str, interval: float, start: float, duration: float)
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
-async def probe_result(proc: asyncio.subprocess.Process, m: Measured) -> None:
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=2 * GRACE_S)
+async def probe_result(proc: asyncio.subprocess.Process, duration: float, m: Measured) -> None:
+    """The probe's latencies, once it has run its window and answered its last probe."""
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=duration + PROBE_START_S + 2 * GRACE_S)
     if proc.returncode != 0:
         raise RuntimeError(f"the /health probe exited with status {proc.returncode}: {err.decode()[-300:]}")
     found = json.loads(out)
@@ -182,7 +183,7 @@ async def load(base: str, model: str, context: int, args) -> Measured:
         t0, cpu0 = time.perf_counter(), time.process_time()
         deadline = t0 + args.duration
         streams = [asyncio.create_task(streamer(clients[0], body, deadline, m)) for _ in range(args.clients)]
-        others = [asyncio.create_task(probe_result(prober, m)), asyncio.create_task(lag(deadline, m))]
+        others = [asyncio.create_task(probe_result(prober, args.duration, m)), asyncio.create_task(lag(deadline, m))]
         if args.hostile_interval > 0:  # 0: none, the baseline the hostile load is judged against
             others.append(asyncio.create_task(hostile(clients[1], hostile_bodies(model, MAX_BODY_BYTES, context),
                                                       args.hostile_interval, deadline, m)))
