@@ -162,8 +162,8 @@ def topic_prefix() -> None:
           f"of an H100 at 40% of its bf16 peak ({H100_BF16_FLOPS / 1e12:.0f} TFLOP/s)")
     S = 16
     blocks = prefix // S
-    print(f"  the cache's collision check keeps each block's whole prefix: at S = {S}, {blocks} blocks hold "
-          f"{S * blocks * (blocks + 1) // 2:,} token ids")
+    print(f"  the cache's collision check keeps each block's own tokens and its parent entry: at S = {S}, {blocks} "
+          f"blocks hold {S * blocks:,} token ids (whole prefixes would be {S * blocks * (blocks + 1) // 2:,})")
 
 
 def topic_launches() -> None:

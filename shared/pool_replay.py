@@ -219,6 +219,8 @@ class PoolState:
     @staticmethod
     def _say(e: dict, plan: list[dict]) -> str | None:
         op = e["op"]
+        if op == "register" and e["tokens"] is None:  # after a parent entry that has left the cache
+            return f"block {e['block']} registered in the prefix cache, after an evicted entry: never hit"
         if op in SAY:
             return SAY[op].format(**e)
         if op == "preempt":

@@ -30,7 +30,7 @@ def pool_state(engine: Any, seqs: list[Any] | None = None) -> dict:
     a = engine.allocator
     if hasattr(a, "ref"):  # L6's ref-counted manager
         ref, free, lru = list(a.ref), list(a._free), list(a._lru)
-        cache = {b: KEY_FORMAT.format(key) for b, (key, _) in a.cache.entry.items()}
+        cache = {b: KEY_FORMAT.format(entry.key) for b, entry in a.cache.entry.items()}
     else:  # L2's allocator: a block is held by one table or free
         ref, free, lru, cache = [0 if f else 1 for f in a._is_free], list(a._free), [], {}
     host = getattr(getattr(engine, "scheduler", None), "host", None)
@@ -53,6 +53,12 @@ def live_sequences(engine: Any) -> list[Any]:
 
 def _id(seq: Any) -> int:
     return seq.seq_id
+
+
+def prefix_length(cache: Any, block: int) -> int | None:
+    """The tokens a cached block's prefix holds; None when a parent entry has left the cache (never hit)."""
+    prefix = cache.prefix(block)
+    return None if prefix is None else len(prefix)
 
 
 class PoolRecorder:
@@ -83,8 +89,8 @@ class PoolRecorder:
         if host is not None:
             self._watch_allocator(host.allocator, "host")
         if hasattr(a, "cache"):
-            self._wrap(a.cache, "register", lambda r, block, key, prefix: r and self._event(
-                "register", block=block, key=KEY_FORMAT.format(key), tokens=len(prefix)))
+            self._wrap(a.cache, "register", lambda r, block, key, parent, tokens: r and self._event(
+                "register", block=block, key=KEY_FORMAT.format(key), tokens=prefix_length(a.cache, block)))
             self._wrap(a.cache, "drop", lambda r, block: self._event("evict", block=block))
         if hasattr(a, "copy_on_write"):
             self._wrap(a, "copy_on_write", lambda r, block: self._event("cow", src=block, dst=r))

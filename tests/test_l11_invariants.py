@@ -145,7 +145,11 @@ def check_step(engine, seqs: list, plan: list) -> None:
     for seq in running:
         for i, b in enumerate(seq.blocks):
             held_at.setdefault(b, []).append((seq, i))
-    for block, (key, prefix) in engine.cache.entry.items():
+    for block, entry in engine.cache.entry.items():
+        key, prefix = entry.key, engine.cache.prefix(block)
+        if prefix is None:  # an entry up its chain was evicted: no lookup reaches it (each needs its parent's)
+            assert len(entry.tokens) == S, f"cached block {block}: {len(entry.tokens)} tokens, not one block"
+            continue
         assert prefix and len(prefix) % S == 0, f"cached block {block}: {len(prefix)} tokens, not whole blocks"
         assert engine.cache.block_of[key] == block, f"cached block {block}: its key names another block"
         assert chain_keys(list(prefix), [], S, len(prefix) // S, engine.cache.hash_fn)[-1] == key, \
@@ -162,9 +166,10 @@ def check_step(engine, seqs: list, plan: list) -> None:
 def check_cached_kv(engine, model) -> None:
     """Each cached block holds the K/V a fresh runner writes for its prefix (prefixes of one chain share a run)."""
     S = engine.block_size
-    entries = sorted(engine.cache.entry.items(), key=lambda e: -len(e[1][1]))
+    entries = sorted(((b, p) for b in engine.cache.entry if (p := engine.cache.prefix(b)) is not None),
+                     key=lambda e: -len(e[1]))  # an entry whose parent was evicted is never hit: not checked
     runs: list[tuple[tuple[int, ...], PagedRunner]] = []
-    for block, (_, prefix) in entries:
+    for block, prefix in entries:
         ref = next((r for p, r in runs if p[:len(prefix)] == prefix), None)
         if ref is None:
             ref = PagedRunner(model, S, len(prefix) // S, backend="torch")

@@ -65,7 +65,7 @@ def test_drafts_never_evict_a_cached_prefix_block(tiny_model):
         (f"expected the pool's only free blocks to be the 2 cached ones, got {alloc.num_free} free of which "
          f"{alloc.num_cached_unheld} cached")
     entries_before = dict(cache.entry)
-    keys_before = {key: block for block, (key, _) in entries_before.items()}
+    keys_before = {entry.key: block for block, entry in entries_before.items()}
     evictions_before, blocks_before = engine.stats.evictions, list(seq.blocks)
 
     engine.step()  # the first decode, with drafts

@@ -116,7 +116,8 @@ def test_draft_room_never_evicts_a_cached_prefix_block():
     other = SharedSequence([1, 2, 3, 4, 5, 6, 7, 8], BLOCK)
     other.reserve(8, manager)
     for i, block in enumerate(other.blocks):
-        manager.cache.register(block, 1000 + i, tuple(other.prompt_ids[:BLOCK * (i + 1)]))
+        parent = manager.cache.ident(other.blocks[i - 1]) if i else None
+        manager.cache.register(block, 1000 + i, parent, tuple(other.prompt_ids[BLOCK * i:BLOCK * (i + 1)]))
     manager.free(other.blocks)  # cached, unheld: on the LRU
     seq = decoding([60], manager)
     assert manager.num_free == manager.num_cached_unheld == 2

@@ -58,7 +58,7 @@ def test_a_prompt_whose_blocks_repeat_each_other():
         assert seqs[name].admitted_at == e.clock
         if name == "P":
             p_table = e.runner.last_rows[0][3]
-            entries = sorted(prefix for _, prefix in e.cache.entry.values())
+            entries = sorted(e.cache.prefix(b) for b in e.cache.entry)
             assert entries == [(5, 6), (5, 6, 5, 6), (5, 6, 5, 6, 5, 6)]
             assert sorted(e.cache.entry) == sorted(p_table[:3]), "one entry per depth, each in P's own block"
         if name == "Q":

@@ -45,7 +45,7 @@ def test_two_requests_with_one_prefix_in_one_step(tiny_model, hf, shared, wait):
                       Arrival(shared[2], stop, step=3)])
     assert got == [hf.generate(p, stop).tokens for p in shared]
     assert engine.stats.cached_tokens == (32 if wait else 16)
-    prefixes = [prefix for _, prefix in engine.cache.entry.values()]
+    prefixes = [engine.cache.prefix(b) for b in engine.cache.entry]
     assert len(prefixes) == len(set(prefixes)), "a prefix registered twice"
     assert all(r == 0 for r in engine.allocator.ref)
 

@@ -57,10 +57,13 @@ def check_shared_pool(engine) -> None:
     assert len(free) == len(m._free) and not (free & lru) and not (held & (free | lru))
     assert len(free) + len(lru) + len(held) == m.num_blocks, "a block is in no state: leaked"
     assert all(m.cache.is_cached(b) for b in lru) and not any(m.cache.is_cached(b) for b in free)
-    for b, (key, prefix) in m.cache.entry.items():
-        assert len(prefix) % S == 0 and m.cache.block_of[key] == b
-        assert chain_keys(list(prefix), [], S, len(prefix) // S, m.cache.hash_fn)[-1] == key
-        assert [pool_token(m.pool, b, o) for o in range(S)] == list(prefix[-S:]), f"cached block {b} holds other tokens"
+    for b, entry in m.cache.entry.items():
+        key, prefix = entry.key, m.cache.prefix(b)
+        assert m.cache.block_of[key] == b and entry.ident[0] == b
+        assert [pool_token(m.pool, b, o) for o in range(S)] == list(entry.tokens), f"cached block {b} holds other tokens"
+        if prefix is None:  # an entry up its chain was evicted: no lookup reaches it (each needs its parent's)
+            continue
+        assert len(prefix) % S == 0 and chain_keys(list(prefix), [], S, len(prefix) // S, m.cache.hash_fn)[-1] == key
 
 
 def solo(arrival: Arrival, seed: int) -> list[int]:

@@ -38,7 +38,8 @@ def cache_blocks(sched: PrefixScheduler, tokens: list[int], n: int) -> list[int]
     blocks = m.alloc(n)
     keys = chain_keys(tokens, [], S, n, sched.cache.hash_fn)
     for i, b in enumerate(blocks):
-        sched.cache.register(b, keys[i], tuple(tokens[: (i + 1) * S]))
+        parent = sched.cache.ident(blocks[i - 1]) if i else None
+        sched.cache.register(b, keys[i], parent, tuple(tokens[i * S:(i + 1) * S]))
     m.free(blocks)
     return blocks
 
@@ -66,18 +67,38 @@ def test_each_key_chains_its_parent_key_and_its_own_block():
 @pytest.mark.task("L6.1")
 def test_the_cache_finds_a_prefix_by_key_and_a_collision_is_a_miss():
     cache = PrefixCache(lambda parent, tokens: 0)  # every key collides
-    assert cache.register(3, 0, (1, 2)), "the first block registered under a key is cached (register returns True)"
+    assert cache.register(3, 0, None, (1, 2)), "the first block registered under a key is cached (register is True)"
     assert cache.is_cached(3) and len(cache) == 1
-    assert cache.lookup(0, (1, 2)) == 3, "lookup(key, prefix) gives the block registered with that key and prefix"
-    assert cache.lookup(0, (7, 7)) is None, "same key, other tokens: a collision must be a miss, not block 3's KV"
-    assert cache.lookup(99, (1, 2)) is None, "an unknown key is a miss"
-    assert not cache.register(5, 0, (7, 7)), "a second block under a taken key stays private (register is False)"
-    assert not cache.register(3, 42, (1, 2)), "a block already cached is not registered a second time"
-    assert cache.lookup(0, (1, 2)) == 3 and not cache.is_cached(5), "a refused register changes nothing"
+    root = cache.ident(3)
+    assert root is not None and cache.ident(4) is None, "ident names a cached block's entry, None for others"
+    assert cache.lookup(0, None, (1, 2)) == 3, "lookup(key, parent, tokens) gives the block registered with them"
+    assert cache.lookup(0, None, (7, 7)) is None, "same key, other tokens: a collision must be a miss, not block 3's"
+    assert cache.lookup(0, root, (1, 2)) is None, "same key and tokens after another parent: a longer prefix, a miss"
+    assert cache.lookup(99, None, (1, 2)) is None, "an unknown key is a miss"
+    assert not cache.register(5, 0, None, (7, 7)), "a second block under a taken key stays private (register False)"
+    assert not cache.register(3, 42, None, (1, 2)), "a block already cached is not registered a second time"
+    assert cache.lookup(0, None, (1, 2)) == 3 and not cache.is_cached(5), "a refused register changes nothing"
     cache.drop(3)
     assert not cache.is_cached(3) and len(cache) == 0, "drop(3) forgets block 3"
-    assert cache.lookup(0, (1, 2)) is None, "after drop(3), its key must not name block 3 any more"
-    assert cache.register(5, 0, (7, 7)), "after the drop, the key is free for another block"
+    assert cache.lookup(0, None, (1, 2)) is None, "after drop(3), its key must not name block 3 any more"
+    assert cache.register(5, 0, None, (7, 7)), "after the drop, the key is free for another block"
+    assert cache.register(3, 1, None, (1, 2)) and cache.ident(3) != root, \
+        "a block cached again is a new entry: its ident is never an earlier entry's"
+
+
+@pytest.mark.task("L6.1")
+def test_a_child_whose_parent_was_evicted_and_refilled_is_a_miss():
+    """Block 3 held [1, 2] and block 4 the next block [5, 6] after it. Block 3 is evicted and filled with [7, 8]:
+    with every key colliding, a request [7, 8, 5, 6] must not take block 4 (computed after [1, 2])."""
+    cache = PrefixCache(lambda parent, tokens: hash((parent, tokens)) % 3)  # few keys: collisions everywhere
+    cache.register(3, 0, None, (1, 2))
+    cache.register(4, 1, cache.ident(3), (5, 6))
+    assert cache.lookup(1, cache.ident(3), (5, 6)) == 4, "block 4 after block 3's entry: a hit"
+    cache.drop(3)
+    cache.register(3, 0, None, (7, 8))
+    assert cache.lookup(0, None, (7, 8)) == 3
+    assert cache.lookup(1, cache.ident(3), (5, 6)) is None, \
+        "block 4's parent is the entry block 3 had before it was refilled: [7, 8, 5, 6] is not its prefix"
 
 
 # --- task 2: reference counts, the LRU, eviction ---
@@ -89,7 +110,7 @@ def test_alloc_hands_out_free_blocks_then_evicts_the_least_recently_released():
     a = m.alloc(2)
     assert a == [0, 1] and m.ref[:2] == [1, 1], f"alloc(2) on a fresh pool gave {a}, refs {m.ref}; want [0, 1], ref 1"
     for i, b in enumerate(a):
-        m.cache.register(b, 100 + i, (i,))
+        m.cache.register(b, 100 + i, None, (i,))
     m.free(a)
     assert m.ref == [0, 0, 0, 0] and m.num_free == 4, "freed cached blocks count as free (they can be evicted)"
     assert list(m._lru) == [1, 0], f"the LRU is {list(m._lru)}: free returns the tail first, so block 1 goes first"
@@ -117,7 +138,7 @@ def test_share_and_free_count_references():
     m.free([b, b])
     assert m.ref[b] == 0 and m.num_free == 4 and b in m._free, "an uncached block with no holder is free again"
     c = m.alloc(1)[0]
-    m.cache.register(c, 7, (1,))
+    m.cache.register(c, 7, None, (1,))
     m.free([c])
     assert c in m._lru and c not in m._free, "a cached block with no holder waits in the LRU, not the free list"
     m.share([c])
@@ -269,16 +290,19 @@ def test_blocks_are_registered_once_written_generated_tokens_included():
     assert len(sched.cache) == 0, "before the forward (num_cached 0) nothing is written: nothing may be registered"
     s.num_cached = 10  # the forward wrote all 10 tokens
     sched.register_written([s])
-    entries = {b: prefix for b, (_, prefix) in sched.cache.entry.items()}
-    want = {s.blocks[0]: tuple(P[:4]), s.blocks[1]: tuple(P[:8])}
-    assert entries == want, f"after 10 tokens: blocks 0 and 1 (full) are cached with their prefixes; got {entries}"
+    entries = {b: (e.parent, e.tokens) for b, e in sched.cache.entry.items()}
+    want = {s.blocks[0]: (None, tuple(P[:4])), s.blocks[1]: (sched.cache.ident(s.blocks[0]), tuple(P[4:8]))}
+    assert entries == want, (f"after 10 tokens: blocks 0 and 1 (full) are cached, each with its tokens after its "
+                             f"parent's entry; got {entries}")
     assert s.extra["registered"] == 2
     assert sched.match(seq(P + [0], 1)) == s.blocks[:2], "a later request with the same prefix hits both"
     s.output_ids += [21, 22]  # two decode steps: positions 10, 11 written, block 2 full
     s.num_cached = 12
     sched.register_written([s])
-    assert sched.cache.entry.get(s.blocks[2], (None, None))[1] == tuple(P + [21, 22]), \
-        "block 2, filled by generated tokens, is registered with the whole 12-token prefix"
+    entry = sched.cache.entry.get(s.blocks[2])
+    assert entry is not None and entry.tokens == tuple(P[8:] + [21, 22]), \
+        "block 2, filled by generated tokens, is registered with its own 4 tokens"
+    assert entry.parent == sched.cache.ident(s.blocks[1]), "after block 1's entry"
     assert s.extra["registered"] == 3 and len(sched.cache) == 3
 
 

@@ -74,7 +74,8 @@ def cached_prefix(engine, tokens: list[int], n: int) -> list[int]:
     m, cache = engine.allocator, engine.cache
     blocks = m.alloc(n)
     for i, (b, key) in enumerate(zip(blocks, chain_keys(tokens, [], S, n, cache.hash_fn))):
-        cache.register(b, key, tuple(tokens[: (i + 1) * S]))
+        parent = cache.ident(blocks[i - 1]) if i else None
+        cache.register(b, key, parent, tuple(tokens[i * S:(i + 1) * S]))
     m.free(blocks)
     return blocks
 

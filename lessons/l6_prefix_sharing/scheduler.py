@@ -41,12 +41,13 @@ class PrefixScheduler(PreemptingScheduler):
         token), and it lands in a fresh block, never in a shared full one."""
         tokens, S = seq.all_tokens(), self.block_size
         limit = (len(tokens) - 1) // S
-        hits = []
+        hits, parent = [], None
         for i, key in enumerate(self.keys(seq, limit)[:limit]):  # keys may run further (pending_keys)
-            block = self.cache.lookup(key, tuple(tokens[:(i + 1) * S]))
+            block = self.cache.lookup(key, parent, tuple(tokens[i * S:(i + 1) * S]))
             if block is None:
                 break
             hits.append(block)
+            parent = self.cache.ident(block)
         return hits
 
     # Task L6.5: admission: share the hits, allocate the rest; wait for a block a running request is filling
@@ -66,7 +67,7 @@ class PrefixScheduler(PreemptingScheduler):
             self.allocator.share(hits)  # first: alloc below must not evict the blocks just hit
             seq.blocks = hits + self.allocator.alloc(fresh)
             seq.num_cached = len(hits) * self.block_size  # BatchMeta feeds num_cached .. num_tokens - 1
-            seq.extra["registered"] = len(hits)
+            seq.extra["registered"], seq.extra["chain"] = len(hits), self.cache.ident(hits[-1]) if hits else None
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_tokens += seq.num_cached
             self.stats.prefill_tokens += seq.num_tokens - seq.num_cached
@@ -123,10 +124,16 @@ class PrefixScheduler(PreemptingScheduler):
             full, done = seq.num_cached // self.block_size, seq.extra.get("registered", 0)
             if full <= done:
                 continue
-            keys = self.keys(seq, full)
+            keys, S = self.keys(seq, full), self.block_size
+            parent = seq.extra.get("chain") if done else None  # the entry holding its prefix through block done - 1
             for i in range(done, full):
-                self.cache.register(seq.blocks[i], keys[i], seq.prefix((i + 1) * self.block_size))
-            seq.extra["registered"] = full
+                if i and parent is None:  # that prefix has left the cache: no entry after it could be reached
+                    break
+                tokens = tuple(seq.token_ids(i * S, (i + 1) * S))
+                self.cache.register(seq.blocks[i], keys[i], parent, tokens)
+                found = self.cache.lookup(keys[i], parent, tokens)  # its own block, or a twin's registered first
+                parent = None if found is None else self.cache.ident(found)
+            seq.extra["registered"], seq.extra["chain"] = full, parent
 
     # Task L6.7: parallel sampling: fork siblings onto the parent blocks; the step samples them from its row
     def fork(self, parent: SharedSequence) -> list[SharedSequence]:
@@ -142,6 +149,7 @@ class PrefixScheduler(PreemptingScheduler):
             child.blocks, child.num_cached = list(parent.blocks), parent.num_cached
             child.extra["keys"] = list(parent.extra.get("keys", []))
             child.extra["registered"] = parent.extra.get("registered", 0)
+            child.extra["chain"] = parent.extra.get("chain")
             self._run(child)  # siblings take their ids' place: `running` stays in arrival order (L5's victim rule)
         for child in children[len(joined):]:
             self.queue(child)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain, islice
 
 from lessons.l2_token_flat.engine import blocks_for
 from lessons.l4_continuous.sequence import Sequence
@@ -33,8 +32,3 @@ class SharedSequence(Sequence):
 
     def all_tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    def prefix(self, n: int) -> tuple[int, ...]:
-        """The first n tokens, for a cache entry: the one cost of a decode step that grows with its history
-        (once per block), so read once, with no list in between (each copy costs a cache miss per id)."""
-        return tuple(islice(chain(self.prompt_ids, self.output_ids), n))

@@ -149,7 +149,7 @@ class ChunkedScheduler(PrefixScheduler):
             self.allocator.share(hits)  # first: alloc below must not evict the blocks just hit
             seq.blocks = hits + self.allocator.alloc(fresh)
             seq.num_cached = cached
-            seq.extra["registered"] = len(hits)
+            seq.extra["registered"], seq.extra["chain"] = len(hits), self.cache.ident(hits[-1]) if hits else None
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_tokens += cached
             self.stats.prefill_tokens += seq.num_tokens - cached
