@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchm
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_plot_writes_nonempty_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plots"

@@ -223,6 +223,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_the_benchmark_runs_small_and_says_what_it_measured():
     """The benchmark's own path at toy sizes: it defines host time, prints its conditions and one row per point.
     (Its figures are read by a person; no test looks at them.)"""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmark"))
 import harness  # noqa: E402
@@ -26,6 +28,7 @@ def load():
     return module
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_a_tiny_curve_reports_every_cell(tmp_path):
     out, png = tmp_path / "curve.json", tmp_path / "curve.png"
     run = subprocess.run([sys.executable, str(SCRIPT), "curve", "--models", "tiny", "--batches", "1,2", "--queries",
@@ -76,6 +79,7 @@ def test_a_bad_option_is_one_line():
 
 # ----- speedup -----
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_a_tiny_speedup_checks_parity_and_reports_every_system(tmp_path):
     """Batches 1 and 2, rates 0 and 1, the n-gram drafter: every run's outputs equal the plain engine's (the
     script stops otherwise), speculation's counters add up, and the table, the break-even lines, the verdict

@@ -40,6 +40,7 @@ def tiny_run(tmp_path_factory):
     return run.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_the_run_prints_three_sections_targets_and_conditions(tiny_run):
     stdout, report = tiny_run
     assert "a + b. tiny model, a pool of 0.5 MiB" in stdout and "c. one layer's decode attention" in stdout

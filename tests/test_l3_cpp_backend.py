@@ -215,6 +215,7 @@ def test_a_build_that_fails_is_one_line_after_trying_both_flag_sets(monkeypatch,
     assert "building the C++ kernel paged_attention.cpp" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole smoke run
 def test_smoke_without_a_compiler():
     """A machine with no C++ compiler: --backend cpp is one line and exit 2; auto runs on batched, and says so."""
     env = {**os.environ, "CXX": "no-such-compiler", "OMP_NUM_THREADS": "1"}

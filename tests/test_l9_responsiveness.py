@@ -51,6 +51,7 @@ def test_the_before_tree_is_a_worktree_removed_afterwards():
     assert str(serve.parents[1]) not in listed
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_a_short_run_reports_every_measure(tmp_path, monkeypatch, capsys):
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["l9_responsiveness.py", "--duration", "1.5", "--clients", "2",

@@ -82,6 +82,7 @@ def test_l12_blocks_hold_every_int8_line_of_the_kernel():
         assert not re.search(rf"\b{word}\b", l3), f"`{word}` outside L12's blocks in {KERNEL.name}"
 
 
+@pytest.mark.slow  # a real kernel build
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_the_kernel_without_l12_compiles():
     """L3's kernel, read without L12's blocks, is a whole program: it compiles (syntax and types, no code

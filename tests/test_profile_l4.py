@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "COLUMNS": "200"}
 
@@ -15,6 +17,7 @@ def profile(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_profile_of_a_small_run_names_every_seam():
     done = profile("--model", "tiny", "--requests", "2")
     assert done.returncode == 0, done.stderr[-2000:]

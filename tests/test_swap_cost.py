@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the benchmark's own tiny run
 def test_a_toy_run_prints_its_table_and_conditions():
     done = subprocess.run([sys.executable, "scripts/benchmark/swap_cost.py", "--threads", "1", "--tokens", "16",
                            "--repeats", "1"], cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"},
