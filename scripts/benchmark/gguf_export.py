@@ -30,12 +30,11 @@ SKIPPED_KEYS = ("GGUF.", "general.architecture", "general.file_type")  # the wri
 
 def export(src: Path, out: Path, dtype: str, names: set[str] | None = None) -> Path:
     """Write `src`'s tensors (only `names` when given: for tests) as `dtype` into `out`, atomically."""
+    if dtype not in FILE_TYPES:
+        raise CourseError(f"--dtype {dtype!r}: choose f32 or bf16")
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
-
-    if dtype not in FILE_TYPES:
-        raise CourseError(f"--dtype {dtype!r}: choose f32 or bf16")
     reader = GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     tmp = out.with_name(f"{out.name}.tmp")

@@ -12,12 +12,23 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from shared.cli import OneLineParser  # noqa: E402
+
 
 def main(argv: list[str]) -> int:
-    base, interval, start, end, grace = argv[0], float(argv[1]), float(argv[2]), float(argv[3]), float(argv[4])
+    p = OneLineParser(prog="health_probe.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("base", help="the server's root URL, e.g. http://127.0.0.1:8000")
+    for name in ("interval", "start", "end", "grace"):
+        p.add_argument(name, type=float, help={"interval": "seconds between probes' starts",
+                                               "start": "time.time() to begin at", "end": "time.time() to stop at",
+                                               "grace": "seconds a probe may wait for its answer"}[name])
+    args = p.parse_args(argv)
+    base, interval, start, end, grace = args.base, args.interval, args.start, args.end, args.grace
     latencies, failures = [], 0
     with httpx.Client(base_url=base, timeout=grace) as client:
         time.sleep(max(0.0, start - time.time()))
