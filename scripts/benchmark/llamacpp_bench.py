@@ -258,7 +258,7 @@ def main() -> None:
     floor_gbs = memory_bandwidth()
     rows, report = [], []
     for d, pair in engines.items():
-        weights = weight_bytes(engines[dtypes[0]][0].model) if d == "q4_1" else weight_bytes(pair[0].model)
+        weights = None if d == "q4_1" else weight_bytes(pair[0].model)  # the 4-bit row has no floor of ours
         first = timings[id(pair[0])]
         for engine in pair:
             t = timings[id(engine)]
@@ -269,7 +269,7 @@ def main() -> None:
             vs = (decode / (args.decode / median(base.decode_s)) if isinstance(engine, Ours) and base else None)
             vs_prefill = (prefill / (args.prefill_len / median(base.prefill_s))
                           if isinstance(engine, Ours) and base else None)
-            floor = None if d == "q4_1" else weights / floor_gbs / 1e9 * decode
+            floor = None if weights is None else weights / floor_gbs / 1e9 * decode
             same = agree(t.tokens, first.tokens) if isinstance(engine, LlamaCpp) and d != "q4_1" else None
             rows.append([engine.label, d, harness.fmt(decode), harness.fmt(own), harness.fmt(vs, "x", 2),
                          harness.fmt(None if floor is None else 100 * floor, "%", 0), harness.fmt(prefill, digits=0),
