@@ -21,7 +21,7 @@ from lessons.l3_block_tensor.backends.torch_backend import history_slots
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l12_kv_quant.backends import DequantTorchBackend
 from lessons.l12_kv_quant.quantize import SCALE_BYTES, pack_rows, unpack_rows
-from test_l3_cpp_backend import FP32_TOL, MIXED, batch, needs_kernel, run
+from test_l3_cpp_backend import FP32_TOL, MIXED, ODD_HEAD_DIMS, batch, needs_kernel, run
 
 # Columns of a plan's work item that say which KV-head chunk it is (tests/test_l3_cpp_plan.py names them all).
 CHUNK, CHUNKS = 5, 6
@@ -103,6 +103,21 @@ def test_low_precision_q_over_int8_pages(dtype: torch.dtype, s: int, hq: int, hk
     got = run(CppBackend(), meta, q, k8, v8)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), oracle(meta, q, k8, v8), **LOW_PRECISION_TOL[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])  # one lane per decode row (1 x 8 scores), and groups of 4
+@pytest.mark.parametrize("d", ODD_HEAD_DIMS)
+def test_int8_pages_with_a_vector_tail_match_the_oracle(d: int, hq: int, hkv: int, dtype: torch.dtype):
+    # L3's odd head dims (72, 80, 96, 120) on int8 rows of D + 4 bytes: the tail loop widens int8 codes too, and
+    # each row's scale sits right after a row that is not a whole number of 32-float chunks.
+    meta, q, k8, v8 = int8_batch(seed=d * 10 + hkv, s=7, hq=hq, hkv=hkv, d=d, rows=MIXED)
+    q = q.to(dtype)
+    got = run(CppBackend(), meta, q, k8, v8)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = FP32_TOL if dtype == torch.float32 else LOW_PRECISION_TOL[dtype]
+    torch.testing.assert_close(got.float(), oracle(meta, q, k8, v8), **tol)
 
 
 @needs_kernel
