@@ -1,5 +1,6 @@
 """scripts/benchmark/l9_responsiveness.py: its options, its hostile bodies, the before tree's worktree, and one
 short run's report against a live server. No timing is asserted: only that every measure is there."""
+import asyncio
 import json
 import subprocess
 import sys
@@ -70,3 +71,40 @@ def test_a_short_run_reports_every_measure(tmp_path, monkeypatch, capsys):
     assert summary["hostile requests"] == sum(sum(c.values()) for c in server["hostile"].values()) >= 1
     assert set(server["hostile"]) <= set(dict(bench.hostile_bodies("m", MAX_BODY_BYTES, 4096)))
     assert summary["tokens/s"] == pytest.approx(server["text_chunks"] / server["duration_s"])
+
+
+def delay_the_probe(monkeypatch, seconds: float) -> None:
+    """health_probe.py starts `seconds` late, as on a box slower than this one: `sleep` runs in front of it."""
+    real = asyncio.create_subprocess_exec
+
+    async def late(program: str, *args: str, **kwargs) -> asyncio.subprocess.Process:
+        if str(bench.PROBE) in args:  # the probe alone
+            return await real("sh", "-c", f'sleep {seconds}; exec "$@"', "sh", program, *args, **kwargs)
+        return await real(program, *args, **kwargs)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", late)
+
+
+@pytest.mark.slow  # the benchmark's own tiny run, with a probe that starts 4 s late
+def test_a_probe_that_starts_late_still_probes_before_the_load_ends(tmp_path, monkeypatch, capsys):
+    # Past the old fixed 1.5 s head start plus the whole window: the load must wait for the probe's first answer.
+    delay_the_probe(monkeypatch, 4)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["l9_responsiveness.py", "--duration", "0.5", "--clients", "1",
+                                      "--hostile-interval", "0", "--json", str(out)])
+    bench.main()
+    (server,) = json.loads(out.read_text())["servers"].values()
+    assert server["summary"]["probes"] == len(server["probe_ms"]) >= 1 and server["probe_failures"] == 0
+
+
+def test_a_probe_never_ready_stops_the_run_with_one_line(monkeypatch):
+    delay_the_probe(monkeypatch, 3)
+    monkeypatch.setattr(bench, "PROBE_READY_S", 0.3)  # bounded: nothing waits for a stuck probe
+    with pytest.raises(RuntimeError, match=r"^the /health probe was not ready within 0.3 s$"):
+        asyncio.run(bench.start_probe("http://127.0.0.1:9", 0.01, 1.0))
+
+
+def test_a_probe_whose_first_get_fails_says_why_in_one_line():
+    with pytest.raises(RuntimeError) as e:  # port 9 (discard): nothing listens there
+        asyncio.run(bench.start_probe("http://127.0.0.1:9", 0.01, 1.0))
+    assert str(e.value) == ("the /health probe was not ready: "
+                            "error: the first GET http://127.0.0.1:9/health got ConnectError")

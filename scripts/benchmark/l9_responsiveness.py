@@ -16,7 +16,8 @@ process with httpx:
     token, but over it in tokens), a prompt of token IDs as large as the first, 5,000 levels of nested
     arrays in an unknown field, and fields of the wrong types; their status codes are counted (5xx apart);
   - a probe, in a process of its own (health_probe.py, so this client's event loop adds no lag to it): GET
-    /health every --probe-interval seconds, one at a time, each latency kept.
+    /health every --probe-interval seconds, one at a time, each latency kept. The load starts only once the
+    probe's first GET has been answered (at most 30 s after its start, or the run stops with one line).
 Reported per server: /health p50/p99/max, every stream's worst gap (max and p99 over streams), tokens/s (chunks
 that carry text; with end-of-sequence ignored each carries about one token), the hostile status counts and each
 kind's median latency, and the client's own CPU share and event-loop lag (a lag near /health's latency means
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness
 sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
+from health_probe import READY  # noqa: E402
 from lessons.l9_server.app import MAX_BODY_BYTES  # noqa: E402
 from shared.server_process import SERVE, ServerProcess  # noqa: E402
 from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
@@ -140,20 +142,42 @@ async def hostile(client: httpx.AsyncClient, bodies: list[tuple[str, bytes]], in
 
 
 PROBE = Path(__file__).resolve().parent / "health_probe.py"
-PROBE_START_S = 1.5  # the probe process's start-up (Python and httpx imports) happens before the window opens
+# Its start-up (Python and httpx imports: seconds on a slow box) and first GET (at most GRACE_S): a probe not
+# ready by then is stuck, and the run stops with one line rather than wait for it.
+PROBE_READY_S = 30.0
+PROBE_EXIT_S = 2.0  # after its last answer: the probe's JSON line and exit
 
 
-async def start_probe(base: str, interval: float, start: float, duration: float) -> asyncio.subprocess.Process:
+async def stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        with suppress(ProcessLookupError):  # it exited between the test and the kill
+            proc.kill()
+    await proc.wait()
+
+
+async def start_probe(base: str, interval: float, duration: float) -> asyncio.subprocess.Process:
     """The /health probe in a process of its own (health_probe.py): this process's event loop, busy with every
-    stream's chunks, would add its own lag to each latency."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, str(PROBE), base, str(interval), str(start), str(start + duration), str(GRACE_S),
+    stream's chunks, would add its own lag to each latency. Returns once its first GET has been answered (its
+    window opens then), so no load starts before it can probe, however slowly it started."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(PROBE), base, str(interval), str(duration), str(GRACE_S),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=PROBE_READY_S)
+    except asyncio.TimeoutError:
+        await stop(proc)
+        raise RuntimeError(f"the /health probe was not ready within {PROBE_READY_S:g} s") from None
+    if line.decode().strip() != READY:  # it exited (its stdout closed) or printed something else
+        await stop(proc)
+        err = await proc.stderr.read()
+        said = (err.decode().strip().splitlines() or [line.decode().strip() or "nothing"])[-1]
+        raise RuntimeError(f"the /health probe was not ready: {said}")
+    return proc
 
 
 async def probe_result(proc: asyncio.subprocess.Process, duration: float, m: Measured) -> None:
     """The probe's latencies, once it has run its window and answered its last probe."""
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=duration + PROBE_START_S + 2 * GRACE_S)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=duration + GRACE_S + PROBE_EXIT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"the /health probe exited with status {proc.returncode}: {err.decode()[-300:]}")
     found = json.loads(out)
@@ -177,9 +201,7 @@ async def load(base: str, model: str, context: int, args) -> Measured:
         warm = await clients[0].post("/v1/completions", json={**body, "max_tokens": 8, "stream": False})
         if warm.status_code != 200:
             raise RuntimeError(f"the warm-up request got HTTP {warm.status_code}: {warm.text[:200]}")
-        opens = time.time() + PROBE_START_S
-        prober = await start_probe(base, args.probe_interval, opens, args.duration)
-        await asyncio.sleep(max(0.0, opens - time.time()))
+        prober = await start_probe(base, args.probe_interval, args.duration)  # its window has just opened
         t0, cpu0 = time.perf_counter(), time.process_time()
         deadline = t0 + args.duration
         streams = [asyncio.create_task(streamer(clients[0], body, deadline, m)) for _ in range(args.clients)]
@@ -192,7 +214,7 @@ async def load(base: str, model: str, context: int, args) -> Measured:
             task.cancel()
         m.duration_s = time.perf_counter() - t0
         m.client_cpu = (time.process_time() - cpu0) / m.duration_s
-        await asyncio.wait(others, timeout=GRACE_S + PROBE_START_S)  # the probe's and hostile's last requests finish
+        await asyncio.wait(others, timeout=GRACE_S + PROBE_EXIT_S)  # the probe's and hostile's last requests finish
         for task in streams + others:
             task.cancel()
         results = await asyncio.gather(*streams, *others, return_exceptions=True)
@@ -200,9 +222,8 @@ async def load(base: str, model: str, context: int, args) -> Measured:
         if isinstance(probe_outcome, BaseException):  # no latencies: say why instead of reporting none
             raise RuntimeError(f"the /health probe gave no result: {probe_outcome!r}")
     finally:
-        if prober is not None and prober.returncode is None:
-            prober.kill()
-            await prober.wait()
+        if prober is not None:
+            await stop(prober)
         for c in clients:
             await c.aclose()
     return m
