@@ -17,6 +17,8 @@
 - stream_options.continuous_usage_stats without return_token_ids, on a runner scripted to emit é and 🙂 one
   byte-level token at a time: a token that completes no character sends no chunk, and the next chunk's usage
   counts it (every chunk's completion_tokens is every token generated up to it).
+- finish_reason as a client reads it, whole and streamed, when the max_tokens-th token is EOS: "length" with
+  ignore_eos (the EOS was only a token), "stop" without.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, EventBuffer, Failed, Finished, Subscriber
 from lessons.l9_server.metrics import ServerMetrics
 from lessons.l9_server.protocol import parse_completion
+from test_l9_tasks import eos_last
 
 TIMEOUT = 20.0
 
@@ -44,9 +47,9 @@ class FakeL9(L9Engine):
     runner_class = FakeChunkRunner
 
 
-def make_loop(tokenizer, num_blocks: int = 300) -> EngineLoop:
+def make_loop(tokenizer, num_blocks: int = 300, eos: frozenset[int] = frozenset()) -> EngineLoop:
     engine = FakeL9(fake_model(), 16, num_blocks, graphs=False, max_batched_tokens=64)
-    return EngineLoop(engine, TokenBytes(tokenizer), ServerMetrics(), frozenset(), 8)
+    return EngineLoop(engine, TokenBytes(tokenizer), ServerMetrics(), eos, 8)
 
 
 def finished(loop: EngineLoop, reason: str) -> float:
@@ -270,6 +273,33 @@ def test_a_client_that_never_reads_is_cut_with_its_buffer_bounded(tokenizer, mon
     assert loop.metrics.registry.get_sample_value("paged_slow_readers_total") == 1
     assert finished(loop, "abort") == 2 and finished(loop, "length") == 0  # its 2 choices, one stream cut
     assert "request 0: its client fell 40 tokens behind the stream; aborted (slow reader)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("ignore_eos,reason", [(True, "length"), (False, "stop")])
+def test_an_ignored_eos_at_max_tokens_finishes_with_length_over_http(tokenizer, stream, ignore_eos, reason):
+    """What a client reads: max_tokens 6 and the 6th token is the server's EOS id. With ignore_eos the response's
+    finish_reason is "length" (max_tokens ran out; the EOS was only a token); without it "stop", on the same six
+    tokens. Whole responses and streams alike."""
+    prompt, want = eos_last(6)
+    loop = make_loop(tokenizer, eos=frozenset({want[-1]}))
+    app = create_app(served(tokenizer), loop)
+    client = Client({"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": ignore_eos,
+                     "return_token_ids": True, "stream": stream})
+    run_with(loop, lambda: client.call(app))
+    assert client.sent[0]["status"] == 200, client.text()
+    if stream:
+        events = [e.removeprefix("data: ") for e in client.text().split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        choices = [json.loads(e)["choices"][0] for e in events[:-1]]
+        tokens = [t for c in choices for t in c["token_ids"]]
+        finishes = [c["finish_reason"] for c in choices]
+        assert finishes[-1] == reason and set(finishes[:-1]) == {None}, f"ignore_eos={ignore_eos}: {finishes}"
+    else:
+        [choice] = json.loads(client.text())["choices"]
+        tokens = choice["token_ids"]
+        assert choice["finish_reason"] == reason, f"ignore_eos={ignore_eos}: {choice['finish_reason']!r}"
+    assert tokens == want, "six tokens, the last of them the EOS id"
 
 
 # --- fewer wake-ups and fewer writes (issue 28) ---

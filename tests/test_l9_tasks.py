@@ -261,6 +261,32 @@ def test_emit_finishes_an_eos_token_with_stop(tokenizer):
     assert events[-2].finish_reason == "stop", f"an EOS finishes with \"stop\", got {events[-2].finish_reason!r}"
 
 
+def eos_last(max_tokens: int) -> tuple[list[int], list[int]]:
+    """A prompt whose greedy output's max_tokens-th token appears nowhere before it, and that output: make that
+    token the EOS id and the output reaches it exactly at max_tokens."""
+    prompt = next([k, 8] for k in range(64) if (w := reference([k, 8], max_tokens))[-1] not in w[:-1])
+    return prompt, reference(prompt, max_tokens)
+
+
+@pytest.mark.task("L9.7")
+@pytest.mark.parametrize("ignore_eos,reason", [(True, "length"), (False, "stop")])
+def test_emit_finishes_an_ignored_eos_at_max_tokens_with_length(tokenizer, ignore_eos, reason):
+    """The 6th token of 6 is EOS: with ignore_eos that EOS is just a token, so the output ends because max_tokens
+    ran out ("length"); without it the same token is a stop ("stop"), which shows the EOS really is sampled there."""
+    prompt, want = eos_last(6)
+    loop = make_loop(tokenizer, eos=frozenset({want[-1]}))
+    sub = admit(loop, 0, prompt, max_tokens=6, temperature=0, ignore_eos=ignore_eos)
+    run(loop)
+    events = events_of(loop, sub)
+    assert events[-1] == Finished(2, 6), f"ignore_eos={ignore_eos}: six tokens, the last EOS; got {events[-1]}"
+    assert [t for d in events[:-1] for t in d.token_ids] == want
+    assert events[-2].finish_reason == reason, (
+        f"ignore_eos={ignore_eos}, the max_tokens-th token EOS: finish {reason!r}, got {events[-2].finish_reason!r}")
+    for r in ("length", "stop"):
+        count = loop.metrics.registry.get_sample_value("paged_requests_finished_total", {"reason": r}) or 0.0
+        assert count == (r == reason), f"finishes counted under {r!r}: {count}"
+
+
 @pytest.mark.task("L9.7")
 @pytest.mark.parametrize("steps_per_emit", [1, 2])
 def test_emit_ends_a_choice_at_its_stop_string_and_frees_its_blocks(tokenizer, steps_per_emit):
