@@ -17,23 +17,30 @@ asyncio loop in the test.
   seeded random workloads of submits, aborts and steps, checked after every action, end with no leak.
 - EngineLoop: Accepted, Deltas, Finished; a stop string ends its choice and frees its blocks; abort frees
   a running request's blocks; 429 when max_waiting is reached; a pool-size refusal is a Failed 400; stop()
-  ends the thread and fails what is in flight.
+  ends the thread and fails what is in flight. The preemption counter in /metrics equals the engine's count
+  after every step of a run that preempts several requests in one step, in several steps.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers.decoders import DecodeStream
 
 from fake_runner import FakeChunkRunner, decode_k, decode_v, fake_model, reference
 from lessons.l4_continuous.sampling import SamplingParams
 from lessons.l4_continuous.sequence import Status
 from lessons.l8_chunked_prefill.engine import L8Engine
+from lessons.l9_server.app import ServedModel, create_app
 from lessons.l9_server.detokenizer import IncrementalDetokenizer, OffsetDetokenizer, TokenBytes
 from lessons.l9_server.engine import L9Engine
 from lessons.l9_server.engine_loop import Accepted, Delta, EngineLoop, Failed, Finished, Subscriber
@@ -1025,6 +1032,57 @@ def test_finishes_are_counted_per_choice_whether_they_end_or_are_aborted(token_b
     assert count("paged_requests_finished_total", {"reason": "length"}) == 2 + 1
     assert count("paged_requests_finished_total", {"reason": "abort"}) == 2
     check_idle_pool(loop.engine)
+
+
+def test_the_preemption_counter_counts_each_preemption_once_at_every_update(tokenizer, token_bytes):
+    """Eight greedy requests of 3 + 12 tokens in a 17-block pool of 4-token blocks: they preempt each other, several
+    in one step, in more than one step, and the preempted wait several steps to be readmitted. The engine thread's
+    pass is run by hand (drain, step, _emit, metrics.update), so after every update paged_preemptions_total must
+    equal the preemptions so far: the engine's own count, and the calls to the scheduler's preempt. Adding the
+    cumulative count at each update, or counting a preempted request again each step it waits, breaks that at
+    the next update. At the end the app's GET /metrics shows the same number. Each output still equals the fake
+    runner's reference (recompute is exact)."""
+    loop = make_loop(token_bytes, num_blocks=17, budget=32)
+    engine = loop.engine
+    preempted: list[tuple[int, int]] = []  # (step, seq_id): each call of the scheduler's preempt
+    preempt = engine.scheduler.preempt
+
+    def spied_preempt(seq) -> None:
+        preempted.append((steps, seq.seq_id))
+        preempt(seq)
+
+    engine.scheduler.preempt = spied_preempt
+    count = loop.metrics.registry.get_sample_value
+    prompts = [[1 + k, 2, 3] for k in range(8)]
+    created = record_sequences(engine)
+    loop.metrics.update(engine)  # as the thread starts: a fresh pool, nothing counted
+    for p in prompts:
+        loop.submit(p, completion(p, max_tokens=12, temperature=0), SimpleNamespace())
+    steps, waited = 0, 0  # waited: updates at which a preempted sequence was still waiting to be readmitted
+    while loop._drain(block=False) and engine.scheduler.has_work():
+        engine.step()
+        steps += 1
+        loop._emit(time.perf_counter())
+        loop.metrics.update(engine)
+        waited += any(s.output_ids for s in engine.scheduler.waiting)
+        assert engine.stats.preemptions == len(preempted), f"step {steps}: the engine's count is not the calls'"
+        assert count("paged_preemptions_total") == len(preempted), (
+            f"step {steps}: /metrics counts {count('paged_preemptions_total')}, the engine preempted {len(preempted)}")
+        assert steps < 500, "the engine never finished"
+    per_step = collections.Counter(step for step, _ in preempted)
+    assert len(preempted) >= 4 and len(per_step) >= 2 and max(per_step.values()) >= 2, (
+        f"the workload must preempt several times, in several steps, once several in one step: {preempted}")
+    assert waited >= 3, f"a preempted sequence must wait across several updates (it did at {waited})"
+    assert [s.output_ids for s in created] == [reference(p, 12) for p in prompts]
+
+    async def scrape() -> str:
+        app = create_app(ServedModel("m", tokenizer, None, 4096, fake_model().config.vocab_size), loop)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            return (await http.get("/metrics")).text
+
+    [family] = [f for f in text_string_to_metric_families(asyncio.run(scrape())) if f.name == "paged_preemptions"]
+    total = next(s.value for s in family.samples if s.name == "paged_preemptions_total")
+    assert total == engine.stats.preemptions == len(preempted)
 
 
 @pytest.mark.task("L9.8")
