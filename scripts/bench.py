@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmark"))  # the benchmark's own modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
 import bench_systems as bs  # noqa: E402
 import harness  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402

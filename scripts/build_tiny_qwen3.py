@@ -3,7 +3,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.tiny_qwen3 import build_tiny_qwen3, checkpoint_digest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from shared.tiny_qwen3 import build_tiny_qwen3, checkpoint_digest  # noqa: E402
 
 
 def main() -> int:

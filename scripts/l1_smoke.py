@@ -1,7 +1,11 @@
 """L1 smoke: one request on a contiguous KV cache; exits 0 when its greedy tokens equal HF's."""
-from lessons.l1_contiguous import L1Engine
-from shared.cli import smoke_parser
-from shared.smoke import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l1_contiguous import L1Engine  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 DEFAULT_PROMPTS = ["The capital of France is"]
 

@@ -1,8 +1,12 @@
 """L2 smoke: the token-flat paged pool; exits 0 when its greedy tokens equal HF's and L1's."""
-from lessons.l1_contiguous import L1Engine
-from lessons.l2_token_flat import L2Engine
-from shared.cli import smoke_parser
-from shared.smoke import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l1_contiguous import L1Engine  # noqa: E402
+from lessons.l2_token_flat import L2Engine  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 DEFAULT_PROMPTS = ["The capital of France is"]
 

@@ -1,10 +1,14 @@
 """L3 smoke: block-tensor pages and paged attention; all prompts run as one batch, and each one's greedy
 tokens must equal HF's for that prompt alone and L2's."""
-from lessons.l2_token_flat import L2Engine
-from lessons.l3_block_tensor import L3Engine
-from lessons.l3_block_tensor.backends import BACKENDS
-from shared.cli import smoke_parser
-from shared.smoke import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l2_token_flat import L2Engine  # noqa: E402
+from lessons.l3_block_tensor import L3Engine  # noqa: E402
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 # Clearly different lengths (1, 5, 20 and 59 tokens): a ragged batch, one request spanning 4 blocks of 16.
 DEFAULT_PROMPTS = [

@@ -2,15 +2,19 @@
 greedy tokens must equal HF's for that prompt alone, and L3's static batch. With --temperature > 0 it also
 checks that each seeded request samples the same tokens alone and in a crowd, or that where it does not,
 its logits differed between the two runs and the uniform draw fell across the CDF boundary they moved."""
+import sys
+from pathlib import Path
+
 import torch
 
-from lessons.l3_block_tensor import L3Engine
-from lessons.l3_block_tensor.backends import BACKENDS
-from lessons.l4_continuous import Arrival, L4Engine, SamplingParams
-from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING
-from lessons.l4_continuous.sampling import check_seed, filtered_probs, pick
-from shared.cli import smoke_parser
-from shared.smoke import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l3_block_tensor import L3Engine  # noqa: E402
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous import Arrival, L4Engine, SamplingParams  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING  # noqa: E402
+from lessons.l4_continuous.sampling import check_seed, filtered_probs, pick  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 STAGGER = 2  # request i arrives at engine step 2 * i: prefills land in the middle of others' decodes
 DEFAULT_PROMPTS = [

@@ -1,14 +1,18 @@
 """L5 smoke: preemption. A pool barely larger than the biggest single request forces running requests to be
 evicted (recompute: dropped and prefilled again; swap: copied to host memory and back); every request's
 greedy tokens must still equal HF's for that prompt alone, and L4's."""
-from lessons.l2_token_flat.engine import blocks_for
-from lessons.l3_block_tensor.backends import BACKENDS
-from lessons.l4_continuous import L4Engine
-from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING
-from lessons.l5_preemption import L5Engine
-from lessons.l5_preemption.scheduler import POLICIES
-from shared.cli import smoke_parser
-from shared.smoke import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous import L4Engine  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING  # noqa: E402
+from lessons.l5_preemption import L5Engine  # noqa: E402
+from lessons.l5_preemption.scheduler import POLICIES  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 STAGGER = 1  # request i arrives at step i: each new prompt squeezes the ones already decoding
 DEFAULT_PROMPTS = [

@@ -4,14 +4,18 @@ what the earlier ones cached. Every request's greedy tokens must equal HF's for 
 L5's; the run must serve tokens from the cache and leave every block free or cached-unreferenced.
 With --n N --temperature T --seed S, each prompt is also sampled N times in one L6 request (one prefill,
 N forks) and child i must equal the prompt run alone on L5 with seed S + i."""
-from lessons.l3_block_tensor.backends import BACKENDS
-from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING, Arrival
-from lessons.l4_continuous.sampling import SamplingParams
-from lessons.l5_preemption import L5Engine
-from lessons.l6_prefix_sharing import L6Engine
-from lessons.l6_prefix_sharing.engine import check_n
-from shared.cli import smoke_parser
-from shared.smoke import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING, Arrival  # noqa: E402
+from lessons.l4_continuous.sampling import SamplingParams  # noqa: E402
+from lessons.l5_preemption import L5Engine  # noqa: E402
+from lessons.l6_prefix_sharing import L6Engine  # noqa: E402
+from lessons.l6_prefix_sharing.engine import check_n  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 STAGGER = 1  # request i arrives at step i: the first is prefilled (and its blocks cached) before the second
 SYSTEM = ("You are a careful assistant for a small town library. Answer in one short sentence, name the shelf "

@@ -3,13 +3,17 @@ every 3 steps, so the decode batch grows 2 -> 4 -> 6 -> 8 -> 10 and shrinks as t
 captured sizes 2, 4, 8 and 16 both ways. Every request's greedy tokens must equal HF's for that prompt
 alone, and L6's; the report counts decode steps run from a captured size, steps run eagerly (prefill,
 or above the largest size) and the padding overhead (padded rows / real rows)."""
-from lessons.l3_block_tensor.backends import BACKENDS
-from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING, Arrival
-from lessons.l6_prefix_sharing import L6Engine
-from lessons.l7_cuda_graphs import L7Engine
-from shared.cli import smoke_parser
-from shared.errors import CourseError
-from shared.smoke import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING, Arrival  # noqa: E402
+from lessons.l6_prefix_sharing import L6Engine  # noqa: E402
+from lessons.l7_cuda_graphs import L7Engine  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 DEFAULT_PROMPTS = [
     "The capital of France is",

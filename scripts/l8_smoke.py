@@ -6,15 +6,18 @@ wait between two tokens of a short request: with chunking, and on L7 without it,
 the step it waited for and in seconds."""
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-from lessons.l3_block_tensor.backends import BACKENDS
-from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING, Arrival
-from lessons.l7_cuda_graphs import L7Engine
-from lessons.l8_chunked_prefill import L8Engine
-from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS
-from shared.cli import smoke_parser
-from shared.smoke import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING, Arrival  # noqa: E402
+from lessons.l7_cuda_graphs import L7Engine  # noqa: E402
+from lessons.l8_chunked_prefill import L8Engine  # noqa: E402
+from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS  # noqa: E402
+from shared.cli import smoke_parser  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 LONG = ("The night ferry leaves the harbour at ten, and the crossing takes most of the dark hours. Passengers "
         "who have made it before bring a blanket, a flask of tea and a book they do not mind losing to the "

@@ -9,19 +9,21 @@ docs/l8_chunked_prefill.md shows this output, and the doc's test reruns the scri
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
-from lessons.l3_block_tensor.batch_meta import BatchMeta
-from lessons.l8_chunked_prefill import L8Engine
-from lessons.l8_chunked_prefill.slice import Slice
-from shared.cli import OneLineParser, resolve_model_dir
-from shared.errors import CourseError
-from shared.generation import StopRule
-from shared.model import Qwen3ForCausalLM
-from shared.pool_trace import record_engines
-from shared.tiny_qwen3 import default_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l3_block_tensor.batch_meta import BatchMeta  # noqa: E402
+from lessons.l8_chunked_prefill import L8Engine  # noqa: E402
+from lessons.l8_chunked_prefill.slice import Slice  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.generation import StopRule  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engines  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 S = 4
 REQUESTS = [  # name, prompt length, submitted at clock, new tokens

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
+from pathlib import Path
 
 import httpx
 import openai
 
-from lessons.l3_block_tensor.backends import BACKENDS
-from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING
-from lessons.l8_chunked_prefill import L8Engine
-from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS
-from shared.server_process import ServerProcess
-from l8_smoke import DEFAULT_PROMPTS  # scripts/ is on the path when a smoke runs
-from shared.cli import smoke_parser
-from shared.errors import CourseError
-from shared.smoke import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402
+from lessons.l4_continuous.engine import DEFAULT_MAX_RUNNING  # noqa: E402
+from lessons.l8_chunked_prefill import L8Engine  # noqa: E402
+from lessons.l8_chunked_prefill.scheduler import DEFAULT_MAX_BATCHED_TOKENS  # noqa: E402
+from shared.server_process import ServerProcess  # noqa: E402
+from l8_smoke import DEFAULT_PROMPTS  # noqa: E402  (scripts/ is on the path when a smoke runs)
+from shared.cli import smoke_parser  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.smoke import main  # noqa: E402
 
 
 def parser():

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import random
 import string
+import sys
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.text import Text
 
-from lessons.l4_continuous import Arrival, L4Engine
-from lessons.l5_preemption import L5Engine
-from shared.cli import OneLineParser, resolve_model_dir
-from shared.errors import CourseError
-from shared.generation import StopRule
-from shared.model import Qwen3ForCausalLM
-from shared.pool_trace import record_engine
-from shared.tiny_qwen3 import default_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's lessons/ and shared/, not an installed course's
+from lessons.l4_continuous import Arrival, L4Engine  # noqa: E402
+from lessons.l5_preemption import L5Engine  # noqa: E402
+from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.generation import StopRule  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.pool_trace import record_engine  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 COLOURS = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green", "bright_blue", "bright_magenta"]
 

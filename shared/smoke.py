@@ -32,6 +32,7 @@ from shared.pool_trace import record_engines
 from shared.tiny_qwen3 import default_model_dir
 from shared.tokenizer import load_tokenizer
 
+WORKSPACE_STATE = ".course.json"  # what scripts/build_track/workspace.py writes at a workspace's root
 RunPrompts = Callable[[list[list[int]], StopRule], list[list[int]]]
 BuildEngines = Callable[[Qwen3ForCausalLM, argparse.Namespace], dict[str, RunPrompts]]
 # A lesson's own check beyond greedy parity (L4: seeded sampling alone vs in a crowd): (passed, one line).
@@ -50,8 +51,30 @@ class Setup:
     stop: StopRule
 
 
+def lessons_line() -> str | None:
+    """In a `course.py start` workspace, one line naming the lessons/ this run imports; None in the course itself,
+    whose output stays as the docs show it. (A workspace's scripts put their own tree first on sys.path; before
+    they did, the editable install's lessons/ ran, and a smoke passed with every task stubbed.)"""
+    import lessons
+
+    tree = Path(lessons.__file__).resolve().parents[1]
+    script = Path(sys.argv[0]).resolve().parent.parent if sys.argv and sys.argv[0] else tree  # scripts/lN_smoke.py
+    if not (tree / WORKSPACE_STATE).exists():
+        if not (script / WORKSPACE_STATE).exists():
+            return None
+        return f"lessons from {tree / 'lessons'}: not this workspace's ({script}), so its own code did not run"
+    # The editable install still answers for a lesson the workspace lacks (a later lesson's script run here).
+    elsewhere = sorted({Path(m.__file__).resolve().parent for name, m in list(sys.modules.items())
+                        if name.startswith("lessons.") and name.count(".") == 1 and getattr(m, "__file__", None)
+                        and tree not in Path(m.__file__).resolve().parents})
+    return f"lessons from {tree / 'lessons'}" + "".join(f"; {p.name} from {p.parent}, not this workspace"
+                                                         for p in elsewhere)
+
+
 def prepare(args: argparse.Namespace, status: Console) -> Setup:
     """Everything that can be checked before a model is loaded, so bad input fails fast."""
+    if line := lessons_line():  # on stderr: --json's stdout stays one JSON object
+        status.print(line, soft_wrap=True, markup=False, highlight=False)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     with status.status("building the embedded tiny Qwen3 (first run only)..."):

@@ -1,14 +1,19 @@
 """The build track (scripts/course.py, scripts/build_track/): every lesson has 3 to 8 tasks, each with tests; a stub
 keeps the signature and docstring and raises naming its task; a workspace starts with every task failing, passes
 task by task as the reference bodies go in, and takes a stub back; each lesson doc holds its generated Tasks section.
+A workspace's scripts run the workspace's code: each puts its own tree first on sys.path, and a smoke run there
+fails on the stubs and names the lessons/ it imported.
 The slow test holds every task of every lesson to its promise (`course.py verify`): with tasks 1..k filled in and
 the rest stubbed, the tests of tasks 1..k pass and every later task's fail, for every k.
 """
 from __future__ import annotations
 
+import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -87,6 +92,55 @@ def test_bad_lesson_and_task_are_one_line_exit_2(tmp_path):
                           (["check", "L1", "--in", str(tmp_path)], "is not a course workspace")):
         run = course(*args, cache=tmp_path / "cache")
         assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def imports_the_course(node: ast.AST) -> bool:
+    """Whether `node` (or anything in it) imports lessons or shared."""
+    return any(any(a.name.split(".")[0] in ("lessons", "shared") for a in n.names) if isinstance(n, ast.Import)
+               else n.level == 0 and (n.module or "").split(".")[0] in ("lessons", "shared")
+               for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def is_entry_script(tree: ast.Module) -> bool:
+    """A file run as a script (a top-level `if __name__ == "__main__":`), not a module scripts import."""
+    return any(isinstance(s, ast.If) and ast.unparse(s.test) in ("__name__ == '__main__'", "'__main__' == __name__")
+               for s in tree.body)
+
+
+ENTRY_SCRIPTS = [p for p in sorted((ROOT / "scripts").rglob("*.py"))
+                 if is_entry_script(tree := ast.parse(p.read_text())) and imports_the_course(tree)]
+
+
+@pytest.mark.parametrize("script", ENTRY_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT / "scripts")))
+def test_every_script_puts_its_own_tree_first_on_the_path(script):
+    """Before its first top-level import of lessons or shared, a script puts the tree it sits in on sys.path (ahead
+    of the editable install's finder, which only answers what sys.path does not): in a workspace it runs the
+    workspace. Its sys.path statements (and the assignments they use) run here against a stand-in path."""
+    body = ast.parse(script.read_text()).body
+    first = next((i for i, s in enumerate(body) if imports_the_course(s)), len(body))
+    setup = [s for s in body[:first] if "sys.path" in ast.unparse(s) or
+             (isinstance(s, ast.Assign) and "__file__" in ast.unparse(s))]
+    fake = SimpleNamespace(path=[])
+    exec(compile(ast.Module(setup, type_ignores=[]), str(script), "exec"), {"Path": Path, "__file__": str(script),
+                                                                             "sys": fake})
+    assert any(Path(p).resolve() == ROOT for p in fake.path), (
+        f"{script.relative_to(ROOT)} imports lessons/shared before it puts its own tree on sys.path: add "
+        "sys.path.insert(0, str(Path(__file__).resolve().parents[N])) above its first such import")
+
+
+def test_a_workspace_smoke_runs_the_workspace_not_the_installed_course(tmp_path):
+    """A learner's own command, `python scripts/l2_smoke.py` in a fresh L2 workspace (its tasks stubbed) with the
+    README's editable install in place and no PYTHONPATH: it runs the workspace's lessons, so it fails on the stubs
+    and names the folder its lessons came from. (The editable install puts the course's lessons/ on the path; a
+    script that did not put its own tree first ran the reference and printed PASS.)"""
+    workspace = tmp_path / "ws"
+    start(ROOT, 2, workspace, cache=None)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "scripts/l2_smoke.py"], cwd=workspace, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode != 0 and "PASS" not in run.stdout, run.stdout + run.stderr
+    assert "NotImplementedError: L2 task" in run.stderr, run.stderr
+    assert f"lessons from {workspace.resolve() / 'lessons'}" in run.stderr, run.stderr
 
 
 @pytest.mark.slow

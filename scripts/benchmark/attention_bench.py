@@ -13,17 +13,20 @@ the ratios are the claim, not the times.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from rich.console import Console
 
-import harness  # scripts/benchmark/, this script's folder
-from lessons.l2_token_flat.request import Request
-from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend
-from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable
-from lessons.l3_block_tensor.batch_meta import BatchMeta
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
+import harness  # noqa: E402  (scripts/benchmark/, this script's folder)
+from lessons.l2_token_flat.request import Request  # noqa: E402
+from lessons.l3_block_tensor.backends import BatchedBackend, TorchBackend  # noqa: E402
+from lessons.l3_block_tensor.backends.cpp_backend import CppBackend, KernelUnavailable  # noqa: E402
+from lessons.l3_block_tensor.batch_meta import BatchMeta  # noqa: E402
 
 DRAM_BYTES = 1024**3  # a read this large comes from DRAM on any machine the course runs on (largest L3 seen: 480 MiB)
 # (history length, new rows) per request: L8's slices of a long prompt, and one whole prompt

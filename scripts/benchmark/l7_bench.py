@@ -11,19 +11,22 @@ backend the engines really used, load) is printed last.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 
-import harness  # scripts/benchmark/, this script's folder
-from lessons.l7_cuda_graphs import L7Engine
-from lessons.l7_cuda_graphs.capture_sizes import default_capture_sizes, padded_size
-from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir
-from shared.errors import CourseError
-from shared.generation import StopRule
-from shared.model import Qwen3ForCausalLM
-from shared.tiny_qwen3 import default_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
+import harness  # noqa: E402  (scripts/benchmark/, this script's folder)
+from lessons.l7_cuda_graphs import L7Engine  # noqa: E402
+from lessons.l7_cuda_graphs.capture_sizes import default_capture_sizes, padded_size  # noqa: E402
+from shared.cli import OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
+from shared.generation import StopRule  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 WARMUP, PROMPT_LEN, MAX_RUNNING = 3, 16, 64
 

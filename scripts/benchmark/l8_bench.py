@@ -40,6 +40,7 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark's own modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
 import harness  # noqa: E402
 from lessons.l2_token_flat.engine import blocks_for  # noqa: E402
 from lessons.l3_block_tensor.backends import BACKENDS  # noqa: E402

@@ -32,6 +32,7 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
 import harness  # noqa: E402
 from gguf_export import exported  # noqa: E402
 from lessons.l4_continuous import L4Engine  # noqa: E402

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
 import bench_systems as bs  # noqa: E402
 import harness  # noqa: E402
 from bench_systems import bench_shape_dir  # noqa: E402

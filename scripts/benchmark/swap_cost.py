@@ -16,13 +16,14 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
 import harness  # noqa: E402
-from lessons.l2_token_flat.request import Request
-from lessons.l3_block_tensor.runner import PagedRunner
-from lessons.l5_preemption.host_pool import HostKvPool
-from shared.cli import OneLineParser
-from shared.model import Qwen3ForCausalLM
-from shared.tiny_qwen3 import default_model_dir
+from lessons.l2_token_flat.request import Request  # noqa: E402
+from lessons.l3_block_tensor.runner import PagedRunner  # noqa: E402
+from lessons.l5_preemption.host_pool import HostKvPool  # noqa: E402
+from shared.cli import OneLineParser  # noqa: E402
+from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
 
 def best_of(repeats: int, run) -> float:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's lessons/ and shared/, not an installed course's
 from course import ROOT, doc_for, markdown  # noqa: E402
 from build_track.tasks import TaskError, lesson_tasks, lessons  # noqa: E402
 
