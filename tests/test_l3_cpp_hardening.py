@@ -1,6 +1,7 @@
 """The C++ kernel as a neighbour (paged_attention.cpp, cpp_backend.py): it lets other Python threads run while it
 computes, turns a bad shape into an error rather than a dead process, builds into a folder that names the
-flags and CPU it was built for, and survives a build that was killed half-way.
+flags, CPU and torch installation it was built for, never rebuilds a finished build (another environment's
+included), and survives a build that was killed half-way.
 """
 from __future__ import annotations
 
@@ -181,13 +182,14 @@ def test_a_killed_build_does_not_block_the_next(tmp_path):
                             timeout=600)
     assert second.returncode == 0, second.stderr[-500:]
     assert second.stdout.strip() == "paged_attention"
+    assert not list(tmp_path.glob("kernels/*.building-*")), "the killed build's folder was left behind"
 
 
 @needs_kernel
 def test_the_same_source_in_another_tree_loads_the_same_build(tmp_path):
-    """ninja keys a build by its command line, which names the source file: the kernel is compiled from a copy
-    in its build folder, so a fresh clone or a test's scratch copy of the course loads the build that exists
-    (built from lessons/... itself, each tree rebuilt it after the other had: a minute each time)."""
+    """A fresh clone or a test's scratch copy of the course loads the build that exists: the folder is keyed by
+    the source's text, not its path, and a finished build is imported, never handed to ninja again (whose
+    command line names the source file: each tree would rebuild it after the other had, a minute each time)."""
     import shutil
     for part in ("lessons", "shared"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
@@ -199,3 +201,103 @@ def test_the_same_source_in_another_tree_loads_the_same_build(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().startswith(str(tmp_path)), run.stderr[-2000:]
     assert [log.read_text() if log.is_file() else "" for log in built] == before, "the copy rebuilt the kernel"
     assert "waiting" not in run.stderr and "building" not in run.stderr, run.stderr
+
+
+def test_two_torch_installations_never_share_a_build_folder(monkeypatch, tmp_path):
+    # cpp_extension writes torch's own path into the compile command: two venvs with one torch version at two
+    # paths sharing a folder each saw the other's paths and rebuilt it in place, under processes that loaded it.
+    monkeypatch.setattr(cpp_backend, "cache_root", lambda: tmp_path)
+    here = [cpp_backend.build_dir(flags) for flags in cpp_backend.FLAGS]
+    lock = cpp_backend.lock_path()
+    assert [cpp_backend.build_dir(flags) for flags in cpp_backend.FLAGS] == here  # the same environment, again
+    installed = torch.__file__
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv/lib/python3.11/site-packages/torch/__init__.py"))
+    there = [cpp_backend.build_dir(flags) for flags in cpp_backend.FLAGS]
+    assert all(a != b for a, b in zip(here, there)), "another torch installation shares this one's build folder"
+    assert cpp_backend.lock_path() != lock  # and builds without waiting for this one
+    monkeypatch.setattr(torch, "__file__", installed)
+    assert [cpp_backend.build_dir(flags) for flags in cpp_backend.FLAGS] == here
+
+
+@needs_kernel
+def test_a_finished_build_is_imported_without_ninja_or_the_lock(monkeypatch, tmp_path):
+    # The session's build exists (needs_kernel made it): loading it again must neither run ninja (which rewrites
+    # a .so that other processes have loaded) nor wait for a build lock.
+    fcntl = pytest.importorskip("fcntl")
+    from torch.utils import cpp_extension
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("ran cpp_extension.load on a finished build")
+
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
+    monkeypatch.setattr(cpp_backend, "BUILD_WAIT_S", 0.3)
+    monkeypatch.setattr(cpp_backend, "lock_path", lambda source=cpp_backend.SOURCE: tmp_path / "held.lock")
+    with open(tmp_path / "held.lock", "w") as held:  # a build in progress elsewhere
+        fcntl.flock(held, fcntl.LOCK_EX)
+        kernel = cpp_backend._build_and_load()
+    assert Path(kernel.__file__).parent in [cpp_backend.build_dir(flags) for flags in cpp_backend.FLAGS]
+    assert kernel.paged_attention.__name__ == "paged_attention"
+
+
+# A module as small as a build gets (pybind11 only, no torch headers: seconds, not a minute), built through the
+# kernel's builder as L14's ops are; what is tested is where builds go and who rebuilds them, not the kernel.
+PROBE_SOURCE = """
+#include <pybind11/pybind11.h>
+int answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+PROBE = """
+import sys
+from pathlib import Path
+import torch
+from lessons.l3_block_tensor.backends import cpp_backend
+cpp_backend.FLAGS = (["-O0"],)
+module = cpp_backend._build_and_load(Path(sys.argv[1]))
+print(torch.__file__, module.__file__, module.answer())
+"""
+
+
+@pytest.mark.slow  # two real (small) builds, four processes
+@needs_kernel
+@pytest.mark.skipif(os.name == "nt", reason="a symlinked torch package stands in for a second installation")
+def test_two_torch_installations_share_a_cache_without_rebuilding_each_other(tmp_path):
+    """Two environments with the same torch version at two paths, one cache folder, taking turns: each builds
+    once into a folder of its own, and neither rewrites the other's build (the bug: one folder, each ninja run
+    seeing the other's include paths and relinking the .so under the processes that had loaded it)."""
+    source = tmp_path / "probe.cpp"
+    source.write_text(PROBE_SOURCE)
+    other = tmp_path / "other-env"  # a second torch installation: the same package, found at another path
+    other.mkdir()
+    (other / "torch").symlink_to(Path(torch.__file__).parent, target_is_directory=True)
+    cache = tmp_path / "cache"
+
+    def run(env_path: Path | None) -> tuple[Path, Path, str]:
+        env = {**os.environ, "PAGED_COURSE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+        env.pop("PYTHONPATH", None)
+        if env_path is not None:
+            env["PYTHONPATH"] = str(env_path)
+        r = subprocess.run([sys.executable, "-c", PROBE, str(source)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        torch_file, module_file, answer = r.stdout.split()
+        assert answer == "42"
+        return Path(torch_file), Path(module_file), r.stderr
+
+    def snapshot(path: Path) -> tuple[int, int, bytes]:
+        return path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes()
+
+    torch_a, so_a, err = run(None)
+    assert "building" in err
+    first = snapshot(so_a)
+    torch_b, so_b, err = run(other)
+    assert torch_b == other / "torch" / "__init__.py" and torch_a != torch_b  # two torch paths really
+    assert snapshot(so_a) == first, "the second environment rebuilt the first one's kernel in place"
+    assert so_b.parent != so_a.parent and "building" in err  # it built one of its own
+    second = snapshot(so_b)
+    for env_path, so, before in [(None, so_a, first), (other, so_b, second)]:  # each loads its own, as it is
+        _, again, err = run(env_path)
+        assert again == so and snapshot(so) == before, f"{so} was rebuilt"
+        assert "building" not in err and "waiting" not in err, err
+    assert snapshot(so_a) == first
+    assert sorted(p.name for p in (cache / "kernels").iterdir() if p.is_dir()) == sorted([so_a.parent.name,
+                                                                                           so_b.parent.name])

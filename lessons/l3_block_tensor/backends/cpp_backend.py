@@ -5,14 +5,18 @@ from the pool where the block table says they are, as FlashInfer does on a GPU, 
 It is compiled on first use by torch.utils.cpp_extension (needs a C++ compiler and ninja; about a minute)
 into the course's cache folder, and loaded from there afterwards in well under a second. One process builds
 at a time, under a lock the OS drops when its holder dies: a build killed half-way never blocks the next.
+A build is made in a folder of its own and renamed into place whole; a finished build is only ever imported,
+so no process rewrites a kernel that another has loaded.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
 import sys
+import sysconfig
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -64,21 +68,43 @@ def module_name(source: Path) -> str:
     return f"{source.stem}_cpu"
 
 
+def torch_installation() -> str:
+    """Where this process's torch and Python headers are: cpp_extension writes both into the compile command.
+    Two environments with one torch version at two paths (two venvs, a workspace's own) differ here, and so
+    build into two folders, never into one that each would keep rebuilding for its own paths."""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))  # as cpp_extension sees it: not resolved
+    python_include = sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix")
+    return repr((torch_dir, python_include, getattr(torch.version, "git_version", "")))
+
+
 def _kernel_key(source: Path = SOURCE) -> str:
-    """Machine kind, Python, torch (a module built against one torch does not load in another) and source text:
-    an edited kernel builds into a folder of its own, and undoing the edit finds the old build."""
+    """Machine kind, Python, torch (a module built against one torch does not load in another) and where it is
+    installed, and source text: an edited kernel builds into a folder of its own, and undoing the edit finds
+    the old build."""
     py = f"{sys.version_info.major}{sys.version_info.minor}"
+    installed = hashlib.sha256(torch_installation().encode()).hexdigest()[:8]
     text = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    return f"{module_name(source)}-{platform.machine()}-py{py}-torch{torch.__version__}-{text}"
+    return f"{module_name(source)}-{platform.machine()}-py{py}-torch{torch.__version__}-{installed}-{text}"
 
 
 def build_dir(flags: Sequence[str], source: Path = SOURCE) -> Path:
     """The kernel's key plus the build's: its flags and, for a build tuned to this CPU (-march=native), the CPU's
     instruction sets. A cache shared by two CPUs (a network home, a CI cache) then never hands AVX-512 code to
-    a CPU without it, which would die on an illegal instruction; a portable build is shared."""
+    a CPU without it, which would die on an illegal instruction; a portable build is shared. The folder holds
+    only a finished build: it is built beside it (partial_dir) and renamed to this name when done."""
     tuned_for = cpu_features() if "-march=native" in flags else ""
     build = hashlib.sha256(repr((list(flags), tuned_for)).encode()).hexdigest()[:8]
     return cache_root() / "kernels" / f"{_kernel_key(source)}-{build}"
+
+
+def partial_dir(final: Path) -> Path:
+    """Where this process builds `final`: a sibling (a rename within one folder is atomic), named by the pid."""
+    return final.with_name(f"{final.name}.building-{os.getpid()}")
+
+
+def library(folder: Path, source: Path = SOURCE) -> Path:
+    """The module file cpp_extension links in `folder`."""
+    return folder / f"{module_name(source)}{'.pyd' if os.name == 'nt' else '.so'}"
 
 
 def lock_path(source: Path = SOURCE) -> Path:
@@ -99,7 +125,8 @@ def load_kernel() -> ModuleType:
 
 
 def _build_and_load(source: Path = SOURCE) -> ModuleType:
-    """Builds `source` (once per cache; its text, the CPU and the flags key the folder) and loads it."""
+    """Builds `source` (once per cache; its text, torch's installation, the CPU and the flags key the folder) and
+    loads it. A finished build is imported as it is: ninja never runs again in a folder a process may have loaded."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"no C++ compiler ({compiler}) on PATH")
@@ -109,46 +136,78 @@ def _build_and_load(source: Path = SOURCE) -> ModuleType:
         except ImportError:
             raise KernelUnavailable("ninja is not installed (pip install ninja)") from None
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ['PATH']}"
-    from torch.utils import cpp_extension
-
-    module = module_name(source)
+    if (kernel := _load_finished(source)) is not None:  # no lock to take: a finished build never changes
+        return kernel
     lock_path(source).parent.mkdir(parents=True, exist_ok=True)
-    built = bool([so for flags in FLAGS for so in build_dir(flags, source).glob(f"{module}*.so")])
-    with _one_builder(lock_path(source), announce=not built) as locked:
-        if not built:
-            print(f"building the C++ kernel {source.name} into {build_dir(FLAGS[0], source)} (once; about a minute)",
-                  file=sys.stderr, flush=True)
+    with _one_builder(lock_path(source)) as locked:
+        if (kernel := _load_finished(source)) is not None:  # built by the process we waited for
+            return kernel
+        print(f"building the C++ kernel {source.name} into {build_dir(FLAGS[0], source)} (once; about a minute)",
+              file=sys.stderr, flush=True)
         error = ""
         for flags in FLAGS:
-            folder = build_dir(flags, source)
-            folder.mkdir(exist_ok=True)
-            if locked:  # nobody else is building: a `lock` here was left by a build that was killed, and
-                (folder / "lock").unlink(missing_ok=True)  # cpp_extension would wait on it forever
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises below
-                    return cpp_extension.load(module, [str(staged_source(folder, source))], extra_cflags=list(flags),
-                                              extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+                return _build(flags, source, locked)
             except Exception as e:  # a compiler failing its version check, a compile error, a module that won't load
                 error = _first_error(str(e))
     raise KernelUnavailable(f"the C++ kernel did not build ({error})")
 
 
+def _load_finished(source: Path) -> ModuleType | None:
+    """The first flag set's finished build, imported straight from its file (no ninja, no lock); None if none."""
+    for flags in FLAGS:
+        path = library(build_dir(flags, source), source)
+        if path.is_file():
+            try:
+                spec = importlib.util.spec_from_file_location(module_name(source), path)
+                kernel = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(kernel)
+                return kernel
+            except Exception as e:  # a build that cannot load here is not rebuilt over: it may be loaded elsewhere
+                raise KernelUnavailable(f"the C++ kernel in {path.parent} does not load ({_first_error(str(e))}); "
+                                        f"delete that folder to rebuild it") from None
+    return None
+
+
+def _build(flags: Sequence[str], source: Path, locked: bool) -> ModuleType:
+    """Builds with `flags` in a folder of this process's own, then renames it to build_dir(flags) whole."""
+    from torch.utils import cpp_extension
+
+    final = build_dir(flags, source)
+    if locked:  # nobody else is building: these are the remains of builds that were killed
+        for stale in final.parent.glob(f"{final.name}.building-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    partial = partial_dir(final)
+    shutil.rmtree(partial, ignore_errors=True)  # a dead process's, with our pid
+    partial.mkdir(parents=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # compiler-version chatter; a real failure raises
+            kernel = cpp_extension.load(module_name(source), [str(staged_source(partial, source))],
+                                        extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
+                                        build_directory=str(partial), verbose=False)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        partial.rename(final)  # atomic: a reader finds no folder, or the whole build
+    except OSError:  # without a lock another process may have renamed its build first; this one is loaded anyway
+        shutil.rmtree(partial, ignore_errors=True)
+        return kernel
+    kernel.__file__ = str(library(final, source))  # the same file, under the name it now has
+    return kernel
+
+
 def staged_source(folder: Path, source: Path = SOURCE) -> Path:
-    """The kernel's source, copied into its build folder (the folder's name holds the source's hash). ninja keys a
-    build by its command line, which names the source file: built from SOURCE itself, the same kernel in two trees
-    (a fresh clone, a test's scratch copy) would rebuild each time the other had built it."""
+    """The kernel's source, copied into its (fresh) build folder: the build keeps the text it was compiled from
+    (the folder's name holds its hash), whichever tree (a clone, a test's scratch copy) asked for it."""
     staged = folder / source.name
-    text = source.read_bytes()
-    if not staged.is_file() or staged.read_bytes() != text:
-        partial = folder / f".{source.name}.{os.getpid()}"
-        partial.write_bytes(text)
-        partial.replace(staged)  # atomic: a reader sees the old file or the whole new one
+    staged.write_bytes(source.read_bytes())
     return staged
 
 
 @contextmanager
-def _one_builder(path: Path, announce: bool = True) -> Iterator[bool]:
+def _one_builder(path: Path) -> Iterator[bool]:
     """Holds an exclusive flock on `path` (True), waiting up to BUILD_WAIT_S for another process's build. The OS
     drops a flock when its holder dies, however it dies: a killed build leaves nothing to wait on. Where there
     is no flock (Windows, a file system without locks) it holds nothing (False)."""
@@ -156,10 +215,10 @@ def _one_builder(path: Path, announce: bool = True) -> Iterator[bool]:
         yield False
         return
     with open(path, "a") as lock:  # closing it, on the way out, releases the lock
-        yield _flock(lock, path, announce)
+        yield _flock(lock, path)
 
 
-def _flock(lock: IO[str], path: Path, announce: bool = True) -> bool:
+def _flock(lock: IO[str], path: Path) -> bool:
     """Takes the lock, polling until BUILD_WAIT_S has passed; False where the file system has no locks."""
     deadline, said = time.monotonic() + BUILD_WAIT_S, False
     while True:
@@ -170,7 +229,7 @@ def _flock(lock: IO[str], path: Path, announce: bool = True) -> bool:
             if time.monotonic() >= deadline:
                 raise KernelUnavailable(f"another process has been building the C++ kernel for {BUILD_WAIT_S:g} s "
                                         f"(lock: {path})") from None
-            if announce and not said:  # a first build: a minute's wait deserves a line (a load takes a moment)
+            if not said:  # only a process with no finished build waits here: a minute's wait deserves a line
                 print("waiting for another process that is building the C++ kernel", file=sys.stderr, flush=True)
                 said = True
             time.sleep(0.1)
