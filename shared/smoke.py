@@ -55,8 +55,9 @@ def lessons_line() -> str | None:
     """In a `course.py start` workspace, one line naming the lessons/ this run imports; None in the course itself,
     whose output stays as the docs show it. (A workspace's scripts put their own tree first on sys.path; before
     they did, the editable install's lessons/ ran, and a smoke passed with every task stubbed.)"""
-    import lessons
-
+    lessons = sys.modules.get("lessons")  # the smoke imported its lessons already; shared/ imports none itself
+    if lessons is None or not getattr(lessons, "__file__", None):
+        return None
     tree = Path(lessons.__file__).resolve().parents[1]
     script = Path(sys.argv[0]).resolve().parent.parent if sys.argv and sys.argv[0] else tree  # scripts/lN_smoke.py
     if not (tree / WORKSPACE_STATE).exists():
