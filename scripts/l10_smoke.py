@@ -25,6 +25,7 @@ from lessons.l10_tensor_parallel.layout import check_tp  # noqa: E402
 from lessons.l10_tensor_parallel.model import TpQwen3ForCausalLM  # noqa: E402
 from l8_smoke import LONG, SHORT  # noqa: E402  (scripts/ is on the path when a smoke runs)
 from shared.cli import resolve_model_dir, smoke_parser  # noqa: E402
+from shared.errors import CourseError  # noqa: E402
 from shared.smoke import main  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
@@ -40,7 +41,9 @@ def arrival_step(i: int) -> int:
 
 def parser():
     p = smoke_parser("L10", __doc__.split("\n\n")[0], blocks=True, default_prompts=DEFAULT_PROMPTS)
-    p.add_argument("--tp", type=int, default=2, help="ranks the model is split across (default: 2)")
+    p.add_argument("--tp", type=int,
+                   help="ranks the model is split across (default: 2, or the smallest split above 2 that the model's "
+                        "heads allow: 3 for SmolLM2's 9 query and 3 key/value heads)")
     p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a rank waits in a collective before the run fails (default: {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
@@ -50,6 +53,18 @@ def parser():
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="most requests in one step")
     p.add_argument("--graphs", default="on", choices=("on", "off"), help="off: every step eager")
     return p
+
+
+def default_tp(cfg) -> int:
+    """2 ranks where the model splits two ways, else the fewest above 2 that it splits into: a model named with
+    --model alone (SmolLM2: 9 query heads, 3 KV heads) runs split, not an error about a --tp nobody gave."""
+    for tp in range(2, cfg.num_attention_heads + 1):
+        try:
+            check_tp(cfg, tp)
+            return tp
+        except CourseError:
+            continue
+    return 1  # a model no split divides: one rank, its collectives skipped (the report says "no collectives")
 
 
 def build_engines(model, args):
@@ -70,6 +85,8 @@ def build_engines(model, args):
         args.l8 = engine(L8Engine, model)
         return args.l8.run(workload(prompts, stop))
 
+    if args.tp is None:
+        args.tp = default_tp(model.config)
     check_tp(model.config, args.tp)  # before any rank starts
     engine(L8Engine, model)  # bad engine options fail here, on one rank
     group = start(args.tp, model.lm_head.weight.device, args.tp_timeout)

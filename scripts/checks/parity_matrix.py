@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=20, help="per smoke run (default 20, the smokes' own)")
     p.add_argument("--model", help="passed to every smoke: a checkpoint directory or a named model, e.g. smollm2 "
                                    "(default: the smokes' own, the embedded model)")
-    p.add_argument("--tp", type=int, help="L10's ranks (default: its smoke's own, 2); smollm2's 9 heads need 3")
+    p.add_argument("--tp", type=int, help="L10's ranks (default: its smoke's own: 2, or 3 for smollm2's 9 heads)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="passed to every smoke (default: theirs, auto)")
     p.add_argument("--jobs", type=int, default=1, help="smokes run at once (default 1: each uses a core)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per smoke run (default 600)")
