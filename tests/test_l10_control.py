@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import time
@@ -115,11 +116,18 @@ def a_step() -> tuple[list[Slice], list[tuple[int, int]]]:
     return [Slice.of(seq, 8), Slice.of(other, 2)], [(3, 11), (4, 12)]
 
 
+def limits():
+    """What a follower knows by the first step: its pool (build_runner) and the engine's limits ("limits")."""
+    from lessons.l10_tensor_parallel import wire
+
+    return wire.Limits(num_blocks=257, max_running=8, max_step_tokens=64)
+
+
 def deliver(sender: FakeDist, monkeypatch) -> tuple:
     """What a follower's receive() makes of everything rank 0 broadcast."""
     follower = FakeDist().install(monkeypatch)
     follower.follower, follower.incoming = True, list(sender.sent)
-    got = TpGroup(1, 2, CPU, 5.0, compute="compute", control="control").receive()
+    got = TpGroup(1, 2, CPU, 5.0, compute="compute", control="control", limits=limits()).receive()
     assert follower.incoming == [], "the follower read exactly what was sent"
     assert {r["name"] for r in follower.issued} == {"broadcast"}
     return got
@@ -170,8 +178,8 @@ def bad_messages() -> dict[str, list[torch.Tensor]]:
         "fields, not 2": message(load, 1, 65),
         "run_step": message(run_step, 0, 1, 5),  # copies, then a third of a slice
         "below 1": message(capture, 1, -2, 1, 0),  # a capture size of -2
-        # A negative kind would index KINDS from the end: -5 would read as "stop", a follower told to quit.
-        "unknown kind -5": [torch.tensor([wire.MAGIC, -len(wire.KINDS), 0])],
+        # A negative kind would index KINDS from the end: -6 would read as "stop", a follower told to quit.
+        "unknown kind -6": [torch.tensor([wire.MAGIC, -len(wire.KINDS), 0])],
         "unknown kind -9223372036854775808": [torch.tensor([wire.MAGIC, -(1 << 63), 0])],
         "payload length -1 ": [torch.tensor([wire.MAGIC, load, -1])],  # torch.zeros(-1) would raise
         "a field of length -3": message(load, -3, 65, 1, 65),
@@ -181,7 +189,7 @@ def bad_messages() -> dict[str, list[torch.Tensor]]:
 
 
 MALFORMED = ["bad magic", "unknown kind", "payload length", "overruns", "not UTF-8", "fields, not 2", "run_step",
-             "below 1", "unknown kind -5", "unknown kind -9223372036854775808", "payload length -1 ",
+             "below 1", "unknown kind -6", "unknown kind -9223372036854775808", "payload length -1 ",
              "a field of length -3", "none of float32", "no slice"]
 
 
@@ -190,7 +198,7 @@ def test_a_malformed_message_is_one_runfailure_line(monkeypatch, no_pickle, what
     follower = FakeDist().install(monkeypatch)
     follower.follower, follower.incoming = True, bad_messages()[what]
     with pytest.raises(RunFailure) as e:
-        TpGroup(1, 2, CPU, 5.0, compute="compute", control="control").receive()
+        TpGroup(1, 2, CPU, 5.0, compute="compute", control="control", limits=limits()).receive()
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("tensor-parallel rank 1 of 2: malformed control message from rank 0")
     assert what in msg
@@ -209,7 +217,7 @@ def test_a_header_or_payload_pack_did_not_write_is_malformed_before_any_allocati
                                       torch.tensor([wire.MAGIC, load, 0], dtype=torch.int32),
                                       torch.tensor([[wire.MAGIC, load, 0]])],
         "unknown kind": [torch.tensor([wire.MAGIC, k, 0]) for k in (-1, -len(wire.KINDS), len(wire.KINDS))],
-        "payload length": [torch.tensor([wire.MAGIC, load, n]) for n in (-1, -(1 << 63), wire.MAX_PAYLOAD + 1)],
+        "payload length": [torch.tensor([wire.MAGIC, load, n]) for n in (-1, -(1 << 63))],
     }
     for says, bad in headers.items():
         for header in bad:
@@ -217,11 +225,76 @@ def test_a_header_or_payload_pack_did_not_write_is_malformed_before_any_allocati
                 wire.payload_len(header)
             with pytest.raises(wire.Malformed, match=says):
                 wire.unpack(header, torch.zeros(0, dtype=torch.int64))
+    longest = wire.Limits().most("load")  # a follower's bound, known before any message: two strings of PATH_MAX
+    with pytest.raises(wire.Malformed, match=f"payload length {longest + 1} outside 0..{longest}"):
+        wire.payload_len(torch.tensor([wire.MAGIC, load, longest + 1]), wire.Limits())
     header, payload = wire.pack("load", "/m", "float32")
     assert wire.unpack(header, payload) == ("load", "/m", "float32")
     for wrong in (payload[:-1], torch.cat([payload, payload[:1]]), payload.to(torch.int32), payload[None]):
         with pytest.raises(wire.Malformed, match="the header says"):  # a length past (or short of) what follows
             wire.unpack(header, wrong)
+
+
+def test_a_header_announcing_more_than_a_step_can_hold_is_refused_before_allocation(monkeypatch, no_pickle):
+    """A well-formed run_step header announcing 2 GiB of int64: a follower sizes nothing from it. What it knows
+    by the first step (its pool, the engine's token budget), or before any message (nothing), bounds a step far
+    below that, and the header is one RunFailure line."""
+    from lessons.l10_tensor_parallel import wire
+
+    real_zeros = torch.zeros
+
+    def zeros(*size, **kwargs):
+        n = math.prod(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+        assert n <= 1 << 20, f"a follower allocated {n:,} int64s from a header"
+        return real_zeros(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    huge = torch.tensor([wire.MAGIC, wire.KINDS.index("run_step"), 1 << 28])  # 2 GiB of int64
+    for by_the_first_step in (False, True):
+        follower = FakeDist().install(monkeypatch)
+        follower.follower, follower.incoming = True, [huge]
+        group = TpGroup(1, 2, CPU, 5.0, compute="compute", control="control")
+        if by_the_first_step:
+            group.limits = limits()
+        with pytest.raises(RunFailure) as e:
+            group.receive()
+        known = group.limits
+        most = known.most("run_step")
+        assert most < 20_000 and str(e.value) == (
+            f"tensor-parallel rank 1 of 2: malformed control message from rank 0 (payload length {1 << 28} outside "
+            f"0..{most} (the most a run_step message holds under {known}))")
+
+
+def test_a_follower_learns_its_bound_from_the_messages_and_the_largest_step_fits_it(monkeypatch, no_pickle):
+    """Rank 0's engine sends its limits once, before the capture and any step; a follower keeps them beside its
+    pool's size from build_runner. The largest step they allow (a slice per token of the budget, each with a
+    table of every block, a copy into every block) is exactly the bound; one int64 more is refused."""
+    from lessons.l10_tensor_parallel import wire
+
+    blocks, running, budget = 9, 3, 4
+    sender = FakeDist().install(monkeypatch)
+    rank0 = TpGroup(0, 2, CPU, 5.0, compute="compute", control="control")
+    slices = [Slice.of(Sequence([7], 2, seq_id=i, blocks=list(range(blocks))), 1) for i in range(budget)]
+    with rank0.lead("build_runner", 2, blocks, "torch", *TpRunner.recipe()):
+        pass
+    rank0.send_limits(running, budget)
+    for kind, *args in [("capture", list(range(1, running + 1)), blocks - 1),
+                        ("run_step", slices, [(i, (i + 1) % blocks) for i in range(blocks)])]:
+        with rank0.lead(kind, *args):
+            pass
+    known = wire.Limits(num_blocks=blocks, max_running=running, max_step_tokens=budget)
+    assert [int(h[2]) for h in sender.sent[-4::2]] == [known.most("capture"), known.most("run_step")]
+    follower = FakeDist().install(monkeypatch)
+    follower.follower, follower.incoming = True, list(sender.sent)
+    rank1 = TpGroup(1, 2, CPU, 5.0, compute="compute", control="control")
+    assert rank1.receive()[:3] == ("build_runner", 2, blocks)
+    assert rank1.receive() == ("capture", [1, 2, 3], blocks - 1)  # "limits" is the wire's own: no call to make
+    assert rank1.limits == known
+    kind, got, _ = rank1.receive()
+    assert kind == "run_step" and [s.seq_id for s in got] == list(range(budget))
+    follower.incoming = [torch.tensor([wire.MAGIC, wire.KINDS.index("run_step"), known.most("run_step") + 1])]
+    with pytest.raises(RunFailure, match=f"payload length {known.most('run_step') + 1} outside"):
+        rank1.receive()
 
 
 @pytest.mark.task("L10.8")
@@ -269,7 +342,7 @@ def test_collectives_are_async_and_waited_for_with_the_step_timeout(monkeypatch)
     # A follower: its step's collectives bounded the same way; its wait for the next step is not.
     follower = FakeDist().install(monkeypatch)
     follower.follower, follower.incoming = True, list(fake.sent)
-    rank1 = TpGroup(1, 2, CPU, 7.0, compute="compute", control="control")
+    rank1 = TpGroup(1, 2, CPU, 7.0, compute="compute", control="control", limits=limits())
     assert rank1.receive() == ("capture", [1, 2], 5)
     rank1.all_reduce(torch.ones(3))
     assert [(r["name"], r["async_op"], r["wait"]) for r in follower.issued] == \

@@ -4,7 +4,8 @@ Two process groups over the same ranks:
   compute  the model's collectives: one all-reduce after each row-parallel matmul, the LM head's gather.
            NCCL on CUDA, gloo on CPU. Bounded by the timeout: inside a step every rank runs the same
            forward, so a wait that long means a rank died or hung.
-  control  rank 0's instructions to the others (load this model, build this runner, run this step, stop):
+  control  rank 0's instructions to the others (load this model, build this runner, run this step, stop),
+           and once the engine's limits, which bound the length of every message after them:
            int64 tensors in a fixed schema (wire.py), never pickle, so always gloo, on the host. Rank 0's
            send of a step is bounded by the same timeout, its sends while the ranks start (load, build the
            runner, capture) by STARTUP_TIMEOUT_S: a follower still loading its part has not hung. A
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -52,6 +53,7 @@ class TpGroup:
     seconds: Counter = field(default_factory=Counter)  # collective -> seconds this rank spent in it (waits included)
     closed: bool = False
     failure: str | None = None  # the first collective that failed: the ranks are out of step from there on
+    limits: wire.Limits = field(default_factory=wire.Limits)  # a follower: what bounds the next message's length
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # rank 0: held by a call it leads
 
     @property
@@ -79,6 +81,13 @@ class TpGroup:
         rank 0's message told them to)."""
         return self._leading(kind, args) if self.leader else nullcontext()
 
+    def send_limits(self, max_running: int, max_step_tokens: int) -> None:
+        """Rank 0: tell the followers the engine's limits, once, before the capture and any step. Not a call they
+        make: their receive() keeps them (wire.Limits) and bounds every later message's length by them."""
+        if self.leader and self.size > 1:
+            with self._leading("limits", (max_running, max_step_tokens)):
+                pass
+
     @contextmanager
     def _leading(self, kind: str, args: tuple) -> Iterator[None]:
         with self._lock:
@@ -90,19 +99,27 @@ class TpGroup:
             yield
 
     def receive(self) -> tuple | None:
-        """A follower: wait for rank 0's next message, (kind, *args) (None: stop). A message that does not
-        follow its schema is a RunFailure naming what is wrong."""
+        """A follower: wait for rank 0's next call, (kind, *args) (None: stop). A message that does not follow
+        its schema, or announces more than it could hold, is a RunFailure naming what is wrong."""
+        while (message := self._receive_one())[0] == "limits":  # the wire's own: no call to make
+            self.limits = replace(self.limits, max_running=message[1], max_step_tokens=message[2])
+        if message[0] == "build_runner":  # the pool every later step's blocks are in
+            self.limits = replace(self.limits, num_blocks=message[2])
+        return None if message[0] == "stop" else message
+
+    def _receive_one(self) -> tuple:
         header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
         self._collective("receive", dist.broadcast, header, src=0, group=self.control, wait_s=None)
         try:
-            payload = torch.zeros(wire.payload_len(header), dtype=torch.int64)
+            # Checked against what this message could hold before it is sized: a header is 24 bytes from the
+            # network, the payload it announces is memory this rank allocates.
+            payload = torch.zeros(wire.payload_len(header, self.limits), dtype=torch.int64)
             if payload.numel():
                 self._collective("receive", dist.broadcast, payload, src=0, group=self.control, wait_s=None)
-            message = wire.unpack(header, payload)
+            return wire.unpack(header, payload)
         except wire.Malformed as e:
             raise RunFailure(f"tensor-parallel rank {self.rank} of {self.size}: malformed control message "
                              f"from rank 0 ({e})") from None
-        return None if message[0] == "stop" else message
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop (if they can still hear it), end them (on_close), then release

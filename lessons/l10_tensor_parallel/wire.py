@@ -6,7 +6,9 @@ A message is a kind and its arguments (the call rank 0 is about to make). On the
            when not empty
 Each kind has one schema (`pack` writes it, `unpack` checks it field by field), so a follower turns
 whatever arrives into integers, strings and SentSlices, or into one line naming what is wrong: a message
-can never make a follower run code, as a pickle can.
+can never make a follower run code, as a pickle can. Nor make it allocate more than the message could hold:
+a follower sizes the payload from the header, so the length is checked first against `Limits`, what the
+messages before told it (its pool; the engine's token budget, sent once as "limits").
 """
 from __future__ import annotations
 
@@ -19,14 +21,43 @@ from lessons.l4_continuous.table_tensor import TableTensor
 from lessons.l8_chunked_prefill.slice import Slice
 from shared.cli import DTYPES
 
-KINDS = ("stop", "load", "build_runner", "capture", "run_step")
+KINDS = ("stop", "load", "build_runner", "capture", "run_step", "limits")
 MAGIC = 0x4C3130  # "L10": a header that does not start with it was not written by pack
 HEADER_LEN = 3
-MAX_PAYLOAD = 1 << 28  # int64s; far above any step (a step sends its new tokens and block-table changes only)
+MAX_TEXT = 4096  # bytes in one string: PATH_MAX, so any model directory the follower could open
+MAX_NAMES = 8  # build_runner's strings: the backend and the runner's recipe (L12's is three names)
+SLICE_NUMBERS = 8  # seq_id, block_size, num_cached, decode, samples, table_from, table_len, last_block
 
 
 class Malformed(ValueError):
     """A message that does not follow its kind's schema."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a follower knows, from the messages before, of how long the next one can be. 0: not known yet, so
+    nothing that depends on it fits (no step before the runner is built and the engine's limits are sent)."""
+
+    num_blocks: int = 0  # the runner's pool, dummy block included (build_runner)
+    max_running: int = 0  # the engine's (limits): the largest batch a graph is captured for
+    max_step_tokens: int = 0  # the engine's token budget (limits): the most tokens one step feeds
+
+    def most(self, kind: str) -> int:
+        """The longest payload, in int64s, a message of this kind can have (each field: its length, its values)."""
+        if kind == "stop":
+            return 0
+        if kind == "load":  # (model_dir, dtype)
+            return 2 * (1 + MAX_TEXT)
+        if kind == "build_runner":  # (block_size, num_blocks), then the backend and the recipe
+            return 3 + MAX_NAMES * (1 + MAX_TEXT)
+        if kind == "limits":
+            return 3
+        if kind == "capture":  # sizes, distinct and each 1 .. max_running (L7's check_capture_sizes); dummy_block
+            return 1 + self.max_running + 2
+        # run_step. Copies: a block of the pool taken for each. Slices: each feeds at least one token, so at most
+        # max_step_tokens of them; each sends its numbers, a table of distinct blocks of the pool, its tokens.
+        n, s = self.num_blocks, self.max_step_tokens
+        return 1 + 2 * n + s * (1 + SLICE_NUMBERS + 1 + n + 1) + s
 
 
 @dataclass(eq=False)
@@ -74,6 +105,8 @@ def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
         fields = [[args[0], args[1]], _text(args[2]), *(_text(name) for name in args[3:])]
     elif kind == "capture":  # (sizes, dummy_block)
         fields = [list(args[0]), [args[1]]]
+    elif kind == "limits":  # (max_running, max_step_tokens): the engine's, what bounds the messages after it
+        fields = [[args[0], args[1]]]
     elif kind == "run_step":  # (slices, copies[, starts]): per slice, its numbers, its table from starts[i] on,
         slices, copies, *rest = args  # and the tokens it feeds; no start given: every table whole
         starts = rest[0] if rest else [0] * len(slices)
@@ -89,8 +122,10 @@ def pack(kind: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([MAGIC, KINDS.index(kind), len(payload)]), torch.tensor(payload, dtype=torch.int64)
 
 
-def payload_len(header: torch.Tensor) -> int:
-    """How many int64s follow this header. Raises Malformed for a header pack did not write."""
+def payload_len(header: torch.Tensor, limits: Limits | None = None) -> int:
+    """How many int64s follow this header. Raises Malformed for a header pack did not write, or, given limits
+    (a follower, before it sizes the payload), one longer than its kind's message can be. No limits: unpack,
+    whose payload has arrived already and must be exactly that long."""
     if header.dtype != torch.int64 or header.shape != (HEADER_LEN,):
         raise Malformed(f"a header must be {HEADER_LEN} int64s, got {header.dtype} {tuple(header.shape)}")
     magic, kind, length = header.tolist()
@@ -98,8 +133,10 @@ def payload_len(header: torch.Tensor) -> int:
         raise Malformed(f"bad magic {magic:#x}")
     if not 0 <= kind < len(KINDS):
         raise Malformed(f"unknown kind {kind}")
-    if not 0 <= length <= MAX_PAYLOAD:
-        raise Malformed(f"payload length {length} outside 0..{MAX_PAYLOAD}")
+    most = (1 << 63) - 1 if limits is None else limits.most(KINDS[kind])
+    if not 0 <= length <= most:
+        raise Malformed(f"payload length {length} outside 0..{most}"
+                        + (f" (the most a {KINDS[kind]} message holds under {limits})" if limits is not None else ""))
     return length
 
 
@@ -128,6 +165,9 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> tuple:
     if kind == "capture":
         _count(kind, fields, 2)
         return kind, _ints(fields[0], None, "sizes", least=1), _ints(fields[1], 1, "dummy_block")[0]
+    if kind == "limits":
+        _count(kind, fields, 1)
+        return kind, *_ints(fields[0], 2, "max_running, max_step_tokens", least=1)
     if len(fields) < 4 or (len(fields) - 1) % 3:
         raise Malformed(f"run_step: {len(fields)} fields, not 1 + 3 per slice (no slice: no step to run)")
     flat = _ints(fields[0], None, "copies")

@@ -396,14 +396,20 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_l10_tp.py::test_smoke_tp4_replicates_kv_heads_and_matches",
               "tests/test_l10_units.py::test_split_model_in_threads_agrees_with_the_whole_model",
               "tests/test_l10_units.py::test_kv_replication_rank_keeps_head_rank_times_hkv_over_tp")),
-    Mutation("l10-wire-negative-kind", "L10 tensor parallel", "the wire takes a negative kind: KINDS[-5] reads as "
+    Mutation("l10-wire-negative-kind", "L10 tensor parallel", "the wire takes a negative kind: KINDS[-6] reads as "
              "\"stop\", a follower told to quit by a malformed header", "lessons/l10_tensor_parallel/wire.py",
              "    if not 0 <= kind < len(KINDS):", "    if kind >= len(KINDS):",
              ("tests/test_l10_control.py", "-k", "malformed")),
     Mutation("l10-wire-negative-length", "L10 tensor parallel", "the wire takes a negative payload length (the "
              "follower's torch.zeros raises, not Malformed)", "lessons/l10_tensor_parallel/wire.py",
-             "    if not 0 <= length <= MAX_PAYLOAD:", "    if length > MAX_PAYLOAD:",
+             "    if not 0 <= length <= most:", "    if length > most:",
              ("tests/test_l10_control.py", "-k", "malformed")),
+    Mutation("l10-wire-unbounded-payload", "L10 tensor parallel", "a follower sizes the payload from the header "
+             "unchecked against what it knows (its pool, the engine's budget): 2 GiB announced, 2 GiB allocated",
+             "lessons/l10_tensor_parallel/group.py",
+             "torch.zeros(wire.payload_len(header, self.limits), dtype=torch.int64)",
+             "torch.zeros(wire.payload_len(header), dtype=torch.int64)",
+             ("tests/test_l10_control.py::test_a_header_announcing_more_than_a_step_can_hold_is_refused_before_allocation",)),
     # --- L11: speculative decoding ---
     Mutation("l11-ex-drafts-cached", "L11 exercise", "the step counts a verify slice's drafts as cached (L8's "
              "`seq.num_cached = piece.num_cached` for every slice) and registers decodes with the prompt slices, "
