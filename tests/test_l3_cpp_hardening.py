@@ -98,7 +98,7 @@ def test_a_bad_shape_is_one_clear_error(q_shape, k_shape, message):
 
 
 def test_the_build_folder_names_the_flags_and_the_cpu(monkeypatch):
-    native, portable = cpp_backend.FLAGS
+    native, portable = cpp_backend.flag_sets()  # not FLAGS: $PAGED_COURSE_MARCH may name one set
     monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "fpu sse2 avx2")
     avx2 = cpp_backend.build_dir(native)
     assert cpp_backend.build_dir(native) == avx2  # the same machine finds its build again
@@ -301,3 +301,82 @@ def test_two_torch_installations_share_a_cache_without_rebuilding_each_other(tmp
     assert snapshot(so_a) == first
     assert sorted(p.name for p in (cache / "kernels").iterdir() if p.is_dir()) == sorted([so_a.parent.name,
                                                                                            so_b.parent.name])
+
+
+def test_a_named_cpu_replaces_native_and_names_its_build(monkeypatch):
+    # $PAGED_COURSE_MARCH (read at import into FLAGS): the one flag set, keyed by its name, not by this CPU
+    native, portable = cpp_backend.flag_sets()
+    assert cpp_backend.flag_sets("") == (native, portable) and "-march=native" in native
+    assert cpp_backend.flag_sets("haswell") == (["-O3", "-fopenmp", "-march=haswell"],)  # no portable fallback
+    haswell = cpp_backend.flag_sets("haswell")[0]
+    monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "fpu sse2 avx2 fma")
+    here = cpp_backend.build_dir(haswell)
+    assert here not in (cpp_backend.build_dir(native), cpp_backend.build_dir(portable))
+    monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "fpu sse2 avx2 fma avx512f")
+    assert cpp_backend.build_dir(haswell) == here  # any CPU that runs haswell code shares the build
+
+
+def refuse_to_build(monkeypatch, tmp_path) -> list[list[str]]:
+    """A scratch cache where cpp_extension.load fails at once; the flag sets it was asked to build, in order."""
+    from torch.utils import cpp_extension
+
+    tried = []
+
+    def fail(name, sources, extra_cflags, **kwargs):
+        tried.append(extra_cflags)
+        raise RuntimeError("error: not built in this test")
+
+    monkeypatch.setattr(cpp_backend, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    return tried
+
+
+def test_with_a_named_cpu_no_native_or_portable_build_is_loaded(monkeypatch, tmp_path):
+    tried = refuse_to_build(monkeypatch, tmp_path)
+    for flags in cpp_backend.flag_sets():  # finished builds for this CPU: loading either would fail loudly
+        cpp_backend.build_dir(flags).mkdir(parents=True)
+        cpp_backend.library(cpp_backend.build_dir(flags)).write_bytes(b"not a module")
+    monkeypatch.setattr(cpp_backend, "FLAGS", cpp_backend.flag_sets("haswell"))
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^the C\+\+ kernel did not build \(error: not built"):
+        cpp_backend._build_and_load()
+    assert tried == [["-O3", "-fopenmp", "-march=haswell"]]
+
+
+def test_a_cpu_name_that_is_not_one_is_one_line(monkeypatch, tmp_path):
+    tried = refuse_to_build(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpp_backend, "FLAGS", cpp_backend.flag_sets("haswell; rm -rf ~"))  # ninja runs a shell
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^-march='haswell; rm -rf ~' is not a CPU name; set "
+                                                             r"\$PAGED_COURSE_MARCH to one the compiler knows"):
+        cpp_backend._build_and_load()
+    assert tried == []
+
+
+@needs_kernel  # a compiler to ask: it fails on the flag in about 2 s, before compiling anything
+def test_a_cpu_the_compiler_does_not_know_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpp_backend, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_backend, "FLAGS", cpp_backend.flag_sets("no-such-cpu"))
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^the C\+\+ kernel did not build \(.*no-such-cpu.*\)$"):
+        cpp_backend._build_and_load()  # GCC: "bad value 'no-such-cpu' for '-march=' switch"; no portable build
+    assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()], "a failed build left a folder"
+
+
+def test_a_native_build_this_process_cannot_run_is_refused(monkeypatch, tmp_path):
+    # qemu-x86_64 -cpu Haswell on an AVX-512 machine: /proc/cpuinfo and the compiler (a native subprocess) see
+    # the host's AVX-512, the emulated process has none; loading the native build died on an illegal instruction.
+    tried = refuse_to_build(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "avx avx2 avx512f fma fpu sse2")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "fma3": True, "avx512_f": False})
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^/proc/cpuinfo lists avx512f, which -march=native would "
+                                                             r"use, but this process's CPU has not \(an emulator\?\); "
+                                                             r"set \$PAGED_COURSE_MARCH to the CPU it runs as"):
+        cpp_backend._build_and_load()
+    assert tried == []
+    monkeypatch.setattr(cpp_backend, "FLAGS", cpp_backend.flag_sets("haswell"))  # the fix the message names
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^the C\+\+ kernel did not build"):
+        cpp_backend._build_and_load()
+    assert tried == [["-O3", "-fopenmp", "-march=haswell"]]
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "fma3": True, "avx512_f": True})
+    monkeypatch.setattr(cpp_backend, "FLAGS", cpp_backend.flag_sets())  # a process that runs what it sees
+    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^the C\+\+ kernel did not build"):
+        cpp_backend._build_and_load()
+    assert tried[1:] == [list(flags) for flags in cpp_backend.flag_sets()]

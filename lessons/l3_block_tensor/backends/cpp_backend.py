@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -38,8 +39,21 @@ except ImportError:  # Windows: no flock; the build there takes cpp_extension's 
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 MODULE = "paged_attention_cpu"  # module_name(SOURCE); L14 builds a second source the same way
-# Tuned for the CPU it is built on; a compiler that does not know -march=native gets the portable build.
-FLAGS = (["-O3", "-fopenmp", "-march=native"], ["-O3", "-fopenmp"])
+MARCH_VAR = "PAGED_COURSE_MARCH"  # a CPU to build for instead of this one: haswell builds what an AVX2 laptop runs
+
+
+def flag_sets(march: str = "") -> tuple[list[str], ...]:
+    """The flag sets a build tries, in order. By default tuned for the CPU it is built on, then the portable build
+    for a compiler that does not know -march=native. A named CPU is the only set: a build for the CPU asked for
+    or none, never a portable one in its place that a test would then pass on."""
+    if not march:
+        return (["-O3", "-fopenmp", "-march=native"], ["-O3", "-fopenmp"])
+    return (["-O3", "-fopenmp", f"-march={march}"],)
+
+
+FLAGS = flag_sets(os.environ.get(MARCH_VAR, "").strip())
+# cpu_features()' name for an instruction set, and torch.cpu.get_capabilities()' (which asks the CPU it runs on)
+SAME_ISA = {"avx512f": "avx512_f", "avx2": "avx2", "fma": "fma3"}
 BUILD_WAIT_S = 900  # another process's build takes about a minute; one that holds the lock this long is stuck
 
 _loaded: ModuleType | None = None
@@ -90,8 +104,9 @@ def _kernel_key(source: Path = SOURCE) -> str:
 def build_dir(flags: Sequence[str], source: Path = SOURCE) -> Path:
     """The kernel's key plus the build's: its flags and, for a build tuned to this CPU (-march=native), the CPU's
     instruction sets. A cache shared by two CPUs (a network home, a CI cache) then never hands AVX-512 code to
-    a CPU without it, which would die on an illegal instruction; a portable build is shared. The folder holds
-    only a finished build: it is built beside it (partial_dir) and renamed to this name when done."""
+    a CPU without it, which would die on an illegal instruction; a portable build is shared, and so is one for a
+    named CPU (-march=haswell): its flags say what it runs on. The folder holds only a finished build: it is
+    built beside it (partial_dir) and renamed to this name when done."""
     tuned_for = cpu_features() if "-march=native" in flags else ""
     build = hashlib.sha256(repr((list(flags), tuned_for)).encode()).hexdigest()[:8]
     return cache_root() / "kernels" / f"{_kernel_key(source)}-{build}"
@@ -136,6 +151,7 @@ def _build_and_load(source: Path = SOURCE) -> ModuleType:
         except ImportError:
             raise KernelUnavailable("ninja is not installed (pip install ninja)") from None
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ['PATH']}"
+    check_target(FLAGS[0])
     if (kernel := _load_finished(source)) is not None:  # no lock to take: a finished build never changes
         return kernel
     lock_path(source).parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +167,35 @@ def _build_and_load(source: Path = SOURCE) -> ModuleType:
             except Exception as e:  # a compiler failing its version check, a compile error, a module that won't load
                 error = _first_error(str(e))
     raise KernelUnavailable(f"the C++ kernel did not build ({error})")
+
+
+def target(flags: Sequence[str]) -> str:
+    """The CPU a flag set builds for ("native", "haswell"), or "" for the compiler's default."""
+    return next((flag.split("=", 1)[1] for flag in flags if flag.startswith("-march=")), "")
+
+
+def check_target(flags: Sequence[str]) -> None:
+    """Raises KernelUnavailable for a CPU name that is not one, or for a -march=native build this process cannot
+    run. The second happens under a user-mode emulator (qemu-x86_64 -cpu Haswell on an AVX-512 machine): the
+    compiler runs natively and sees the real CPU, as /proc/cpuinfo does, so it builds AVX-512 code and the build
+    folder's key cannot tell; torch asks the CPU this process runs on. Loading that build kills the process
+    with an illegal instruction."""
+    march = target(flags)
+    if march and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", march):
+        raise KernelUnavailable(f"-march={march!r} is not a CPU name; set ${MARCH_VAR} to one the compiler "
+                                f"knows, e.g. haswell")
+    if march != "native":
+        return
+    try:
+        capabilities = torch.cpu.get_capabilities()
+    except Exception:  # an older torch, another platform: nothing to compare, as before this check
+        capabilities = {}
+    listed = set(cpu_features().split())
+    missing = [flag for flag, cap in SAME_ISA.items() if flag in listed and capabilities.get(cap) is False]
+    if missing:
+        raise KernelUnavailable(f"/proc/cpuinfo lists {', '.join(missing)}, which -march=native would use, but "
+                                f"this process's CPU has not (an emulator?); set ${MARCH_VAR} to the CPU it "
+                                f"runs as, e.g. haswell")
 
 
 def _load_finished(source: Path) -> ModuleType | None:
