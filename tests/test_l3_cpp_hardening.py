@@ -364,6 +364,7 @@ def test_a_native_build_this_process_cannot_run_is_refused(monkeypatch, tmp_path
     # qemu-x86_64 -cpu Haswell on an AVX-512 machine: /proc/cpuinfo and the compiler (a native subprocess) see
     # the host's AVX-512, the emulated process has none; loading the native build died on an illegal instruction.
     tried = refuse_to_build(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpp_backend, "FLAGS", cpp_backend.flag_sets())  # -march=native, whatever $PAGED_COURSE_MARCH
     monkeypatch.setattr(cpp_backend, "cpu_features", lambda: "avx avx2 avx512f fma fpu sse2")
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "fma3": True, "avx512_f": False})
     with pytest.raises(cpp_backend.KernelUnavailable, match=r"^/proc/cpuinfo lists avx512f, which -march=native would "
