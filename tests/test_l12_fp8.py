@@ -160,6 +160,7 @@ def test_the_oracle_computes_what_flashinfer_computes(tiny_model, s, kind):
     for layer in range(cfg.num_hidden_layers):
         got = oracle.run(q, pool.k[layer], pool.v[layer], meta)
         want = flashinfer_arithmetic(q, pool.k[layer], pool.v[layer], meta, pool.k_scale[layer], pool.v_scale[layer])
+        # measured 3.8e-6 (Intel Xeon AMX; torch capped to AVX2 the same): 6x margin
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), f"layer {layer}"
 
 
@@ -461,13 +462,17 @@ def test_fp8_pages_keep_the_distributions_close_but_coarser_than_int8(fp8_qualit
     pages gives KL of several nats and top-1 near chance)."""
     q = fp8_quality
     assert q["fp8"].positions > 200
+    # measured KL mean 0.286, top-1 74.4% (207 positions; Intel Xeon AMX, torch capped to AVX2, the same): 3.5x under
+    # the KL bound, 14 points (30 positions) over the top-1 one, disagreement 1.6x under its 40%
     assert q["fp8"].mean_kl < 1.0 and q["fp8"].top1 > 0.6
     assert q["fp8"].mean_kl > q["int8"].mean_kl and q["fp8"].top1 < q["int8"].top1
 
 
 @pytest.mark.xfail(strict=True, reason="measured: fp8 KV (e4m3, 3 mantissa bits) moves the embedded model's "
                    "logits about 12x more than bf16 compute does (2,061 positions: KL mean 0.44 against 0.036, "
-                   "top-1 71.6% against 91.4%); the contract holds for int8, not for fp8")
+                   "top-1 71.6% against 91.4%); the contract holds for int8, not for fp8. This fixture's 207 "
+                   "positions: mean KL 9.0x bf16's, interval [7.4, 11.0] (Intel Xeon AMX), 9.6x [7.9, 12.0] (torch "
+                   "capped to AVX2), against the 1.25x margin; top-1 -19.3 and -18.4 points, against -1")
 def test_fp8_meets_the_bf16_contract(fp8_quality):
     assert holds(fp8_quality["fp8"], fp8_quality["bf16"])
 
@@ -483,7 +488,11 @@ def test_power_of_two_scales_change_nothing_but_the_subnormals(tiny_model, promp
     runners[1].pool.v_scale = [2.0 ** (layer - 3) for layer in range(layers)]
     one, scaled = (torch.cat(list(teacher_forced_logits(r, stream))) for r in runners)
     kl = (one.log_softmax(-1).exp() * (one.log_softmax(-1) - scaled.log_softmax(-1))).sum(-1)
-    assert float(kl.mean()) < 0.02 and (one.argmax(-1) == scaled.argmax(-1)).float().mean() > 0.95
+    # Measured KL mean 0.0073 (Intel Xeon AMX), 0.0070-0.0073 (torch capped to AVX2), 3 of 101 positions disagreeing
+    # on both: 2.7x and 1.7x under the 0.02 and 95% this had. A K scale dropped on the read gives KL 9.1, top-1 15%; a
+    # V scale dropped, 28 and 0%; the next layer's scales, 12 and 7%. 0.1 and 90% are 14x and 3.3x margins, and the
+    # nearest of those wrong runs is 90x over the one and 75 points under the other.
+    assert float(kl.mean()) < 0.1 and (one.argmax(-1) == scaled.argmax(-1)).float().mean() > 0.9
 
 
 def test_gpu_checks_l12_row_runs_on_the_cpu_with_the_oracle_standing_in(capsys):

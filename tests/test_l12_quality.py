@@ -102,7 +102,9 @@ def test_the_contract_holds_on_the_embedded_model(embedded):
     assert int8.positions == bf16.positions == sum(map(len, streams)) >= 1000
     assert holds(int8, bf16), f"int8: {int8.line()}; bf16: {bf16.line()}"
     # Not a vacuous pass: both runners moved the distributions (a test runner that was secretly the
-    # reference would score KL 0 and top-1 100%), and int8 by a margin, not a hair.
+    # reference would score KL 0 and top-1 100%), and int8 by a margin, not a hair. Measured int8 / bf16: mean KL
+    # 0.61x, p99.9 0.51x (Intel Xeon AMX), 0.60x and 0.48x (torch capped to AVX2; bf16's KL moves with the CPU):
+    # 1.3x and 1.6x under 0.8.
     assert 0 < int8.mean_kl < 0.8 * bf16.mean_kl and int8.p999_kl < 0.8 * bf16.p999_kl
     assert bf16.top1 < int8.top1 < 1
     w = int8.worst

@@ -94,6 +94,8 @@ def test_compare_reads_every_position_of_every_stream_teacher_forced(tiny_model,
     assert got["same"].mean_kl == 0 and got["same"].top1 == 1, (
         f"the reference against itself: KL 0, top-1 100%; got {got['same'].line()}")
     kl = got["int8"].kl
+    # measured: KL > 0 at every position; KL mean 0.0189 (Intel Xeon AMX), 0.0188-0.0190 (torch capped to AVX2): 5.3x;
+    # top-1 93.6% on both, disagreement 3.1x under the 20% allowed
     assert (kl > 0).float().mean() > 0.9 and got["int8"].mean_kl < 0.1 and got["int8"].top1 > 0.8, (
         f"int8 pages should move almost every distribution, a little: {got['int8'].line()}")
     worst = got["int8"].worst

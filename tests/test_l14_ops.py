@@ -64,7 +64,9 @@ def test_linear_rows_are_bitwise_the_same_for_any_batch(dtype, k, n):
     x = torch.randn(130, k, generator=g).to(dtype)
     invariant = InvariantLinear(layer)
     assert_rows_invariant(invariant, x)
-    # as accurate as torch's own product, measured against float64
+    # as accurate as torch's own product, measured against float64. fp32: ours is at most 0.38x of torch's (Intel
+    # Xeon AMX; torch capped to AVX2, ops built -march=haswell or native): 5.2x margin. bf16: the output's own
+    # rounding is all of both errors, equal on every CPU tried: the 2x is the margin.
     exact = F.linear(x.double(), layer.weight.double())
     ours, torchs = (invariant(x).double() - exact).abs().max(), (layer(x).double() - exact).abs().max()
     assert ours <= torchs * 2 + 1e-6, (ours, torchs)
@@ -101,6 +103,7 @@ def test_rms_norm_rows_are_invariant_and_hf_arithmetic(dtype, e):
     x = (3 * torch.randn(130, e, generator=g)).to(dtype)
     invariant = InvariantRMSNorm(norm)
     assert_rows_invariant(invariant, x)
+    # measured fp32 7.2e-7 (Intel Xeon AMX; torch capped to AVX2 the same): 49x margin; bf16 bit-equal on both
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     torch.testing.assert_close(invariant(x), norm(x), **tol)
     heads = x.view(130, 1, e).expand(130, 3, e).contiguous()  # q_norm's shape: [T, H, D], normed per head

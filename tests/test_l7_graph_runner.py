@@ -47,6 +47,7 @@ def step_both(on: L7Engine, off: L7Engine) -> None:
     after = [outside_dummy(on), outside_dummy(off)]
     assert torch.equal(changed_slots(before[0], after[0]), changed_slots(before[1], after[1])), \
         "the padded step wrote a slot outside the dummy block that the eager step did not"
+    # measured 6.0e-6 (Intel Xeon AMX; 0 on one thread), 1.3e-5 (torch capped to AVX2): 8x margin
     for a, b in zip(*after):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 

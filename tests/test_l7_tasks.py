@@ -167,8 +167,11 @@ def test_the_static_step_runs_the_model_over_the_buffers_with_its_sizes_backend(
     assert hidden.data_ptr() == b.hidden.data_ptr() and tuple(hidden.shape) == (4, cfg.hidden_size), \
         "run_static returns buffers.hidden[:size], written in place (a graph's output is fixed too)"
     got = tiny_model.logits(hidden[:3])
+    # Logits up to about 55 in magnitude, rounded differently over 4 rows than over 3: measured 2.9e-5 (Intel Xeon AMX;
+    # 0 on one thread), 4.8e-5 (torch capped to AVX2), 2x under the 1e-4 this had; 5e-4 is a 10x margin, and a wrong
+    # row or a step that skipped a layer moves logits by far more.
     for i in range(3):
-        torch.testing.assert_close(got[i], eager[i], rtol=0, atol=1e-4,
+        torch.testing.assert_close(got[i], eager[i], rtol=0, atol=5e-4,
                                    msg=lambda m, i=i: f"row {i}: the static step's logits differ from the eager step's: {m}")
     assert g.pool.k[0][dummy].abs().sum() > 0, "the padded row wrote its K into the dummy block"
 

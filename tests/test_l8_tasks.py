@@ -224,7 +224,10 @@ def test_the_forward_scores_only_the_slices_that_sample(tiny_model, prompt_ids, 
     assert projected == [1] and tuple(got.shape) == (1, tiny_model.config.vocab_size), \
         f"step 1: only B's slice samples: 1 row projected onto the vocabulary (got {projected}), logits [1, vocab]"
     assert [s.num_cached for s in first] == [6, 5], "the forward sets each slice's num_cached to its end"
-    torch.testing.assert_close(got[0], PagedRunner.forward(alone, [b_alone])[0], rtol=0, atol=1e-4)
+    # Logits up to about 50 in magnitude, summed in another order in another batch: measured 5.7e-5 here and 7.4e-5 in
+    # step 2 (Intel Xeon AMX), 0 and 3.8e-5 (torch capped to AVX2), 1.3x under the 1e-4 this had; 5e-4 is a 6.7x
+    # margin, and a slice scored over another request's rows or positions moves logits by far more.
+    torch.testing.assert_close(got[0], PagedRunner.forward(alone, [b_alone])[0], rtol=0, atol=5e-4)
     a.num_cached, b.num_cached = 6, 5
     b.output_ids.append(int(got[0].argmax()))
     b_alone.output_ids.append(b.output_ids[-1])
@@ -233,7 +236,7 @@ def test_the_forward_scores_only_the_slices_that_sample(tiny_model, prompt_ids, 
     assert projected == [2], f"step 2: both slices sample: 2 rows projected (got {projected})"
     want = [PagedRunner.forward(alone, [b_alone])[0], PagedRunner.forward(alone, [a_alone])[0]]
     for i, name in enumerate(["B's decode", "A's last slice"]):
-        torch.testing.assert_close(got[i], want[i], rtol=0, atol=1e-4,
+        torch.testing.assert_close(got[i], want[i], rtol=0, atol=5e-4,
                                    msg=lambda m, name=name: f"{name}: logits differ from the request alone: {m}")
 
 
