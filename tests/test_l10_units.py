@@ -383,9 +383,10 @@ def test_split_model_in_threads_agrees_with_the_whole_model(tiny_model, tiny_dir
     per_forward = 2 * tiny_model.config.num_hidden_layers + 1
     assert per_forward == 9 and {n for _, n in results} == {per_forward}
     assert got.shape == want.shape
-    # Measured (logits up to 60): 1.3e-4 (Intel Xeon AMX: 1.2x margin); torch capped to AVX2, 1.1e-4 on one thread,
-    # 1.56e-4 on two at tp 4, which FAILS this bound (10 of 6M logits over it).
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # partial sums added in another order
+    # Partial sums added in another order. Measured (logits up to 60): 1.3e-4 on an Intel Xeon with AMX, 1.56e-4 with
+    # torch capped to AVX2 on two threads (10 of 6M logits over the 1e-4 this bound had): 6.4x under 1e-3. The
+    # mistakes it is for are far larger (a KV replica's wrong head, a partial sum never all-reduced).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
