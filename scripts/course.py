@@ -5,7 +5,8 @@
     python scripts/course.py check L2 [--task 3]       # where you stand; the smoke's parity once all pass
     python scripts/course.py diff L2 [--task 3]        # your functions beside the reference's
     python scripts/course.py reset L2 --task 3         # put task 3's stub back
-    python scripts/course.py verify L2                 # maintainers: every task fails stubbed, passes filled in
+    python scripts/course.py verify L2                 # maintainers: every task fails stubbed, passes filled in,
+                                                       # and fails with each of the doc's pitfalls planted
 
 Tasks are marked in the lessons' own code (`# Task L2.3: ...` above a function) and their tests with
 `@pytest.mark.task("L2.3")`: the reference solution is the lesson itself. See scripts/build_track/.
@@ -23,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from build_track.tasks import Task, TaskError, function_source, lesson_tasks, lessons  # noqa: E402
+from build_track.planted import verify_planted  # noqa: E402
 from build_track.workspace import find, reference_of, restore, run_tests, start, verify  # noqa: E402
 from shared.cli import OneLineParser  # noqa: E402
 from shared.tiny_qwen3 import cache_root  # noqa: E402
@@ -176,8 +178,16 @@ def cmd_reset(args) -> int:
 def cmd_verify(args) -> int:
     problems = []
     for lesson in [lesson_number(x) for x in args.lessons] or lessons(ROOT):
-        found = verify(ROOT, lesson)
-        print(f"L{lesson}: {'holds' if not found else f'{len(found)} problem(s)'}", flush=True)
+        found, report = [], []
+        if args.only in (None, "tasks"):
+            found += verify(ROOT, lesson)
+        if args.only in (None, "planted"):
+            planted_problems, report = verify_planted(ROOT, lesson, doc_for(lesson))
+            found += planted_problems
+        print(f"L{lesson}: {'holds' if not found else f'{len(found)} problem(s)'}"
+              + (f"; {len(report)} planted bugs caught" if report else ""), flush=True)
+        for line in report:
+            print(f"  caught: {line}")
         problems += found
         for p in found:
             print(f"  {p}")
@@ -195,6 +205,9 @@ def main() -> int:
         s = sub.add_parser(name, help=helptext)
         if name == "verify":
             s.add_argument("lessons", nargs="*", help="L2 L3 ... (default: every lesson)")
+            s.add_argument("--only", choices=("tasks", "planted"),
+                           help="tasks: each task fails stubbed and passes filled in; planted: each pitfall's and "
+                                "exercise's mutation fails its task (default: both)")
             continue
         s.add_argument("lesson", help="L1 .. L14")
         if name == "tasks":

@@ -188,8 +188,15 @@ def _warm() -> None:
     _warmed = True
 
 
-def _forked_pytest(workspace: Path, args: list[str], timeout: float) -> None:
-    """pytest.main(args) in a forked child, in the workspace, its output discarded (the report is the result)."""
+def run_pytest_forked(workspace: Path, tests: list[str], timeout: float) -> int:
+    """pytest's exit status for `tests` (node ids, files, -k EXPR) run in the workspace, forked as verify's runs are."""
+    return _forked_pytest(workspace, ["-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:xdist", "-p",
+                                      "no:hypothesispytest", *tests], timeout)
+
+
+def _forked_pytest(workspace: Path, args: list[str], timeout: float) -> int:
+    """pytest.main(args) in a forked child, in the workspace, its output discarded (the report is the result);
+    returns its exit status."""
     import pytest
 
     _warm()
@@ -209,9 +216,9 @@ def _forked_pytest(workspace: Path, args: list[str], timeout: float) -> None:
             os._exit(int(code))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
