@@ -65,6 +65,8 @@ def markdown(lesson: int) -> str:
         f"where you stand: 0 of {len(tasks)} tasks (0 of {total} tests) before you start, {len(tasks)} of "
         f"{len(tasks)} after, then the smoke's parity. `check L{lesson} --task K` runs one task's tests, "
         f"`diff L{lesson}` shows yours beside the reference, `reset L{lesson} --task K` puts a stub back. "
+        f"Read this doc in DIR/docs/ while you build: its learner's edition, with each quoted solution replaced by "
+        f"its task's contract (what to write, what must hold, what the tests check), and every contract below. "
         f"(This section is generated: `python scripts/course.py tasks L{lesson} --markdown`.)")
     out = [
         "## Tasks: build it yourself",

@@ -8,6 +8,7 @@ docstring (the shapes live there) and its body becomes one `raise NotImplemented
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,10 @@ def _functions(tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunc
     return found
 
 
+@functools.lru_cache(maxsize=512)
 def marked_functions(text: str) -> list[tuple[int, int, str, str, ast.FunctionDef]]:
-    """(lesson, task, title, qualname, node) for each function of `text` with a task marker above it."""
+    """(lesson, task, title, qualname, node) for each function of `text` with a task marker above it (cached: the
+    build track reads each file many times; nothing changes the nodes)."""
     lines = text.splitlines()
     marked = []
     for qualname, node in _functions(ast.parse(text)):
@@ -122,6 +125,7 @@ def lesson_tasks(root: Path, lesson: int) -> list[Task]:
     return [tasks[n] for n in sorted(tasks)]
 
 
+@functools.lru_cache(maxsize=512)
 def marked_tests(text: str) -> list[tuple[int, int, str]]:
     """(lesson, task, test name) for each test function of a test file with a `pytest.mark.task` decorator."""
     found = []

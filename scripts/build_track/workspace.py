@@ -67,10 +67,30 @@ def start(root: Path, lesson: int, into: Path, cache: Path | None) -> list[Task]
     for path in wanted_test_files(root, lesson):
         shutil.copy2(path, into / "tests" / path.name)
     stub_files(into, lesson, {t.number for t in tasks})
+    write_docs(root, lesson, into)
     (into / STATE).write_text(json.dumps({"lesson": lesson, "reference": str(root)}, indent=1) + "\n")
     if cache is not None:
         remember(cache, lesson, into)
     return tasks
+
+
+DOC_LESSON = re.compile(r"^l(\d+)_")
+
+
+def write_docs(root: Path, lesson: int, into: Path) -> None:
+    """docs/ for the workspace: the lessons below as they are, `lesson`'s doc and appendix in the learner's edition
+    (each quoted task body replaced by its contract), no later lesson's."""
+    from build_track.learner_doc import learners_edition
+
+    (into / "docs").mkdir()
+    for path in sorted((root / "docs").iterdir()):
+        m = DOC_LESSON.match(path.name)
+        if path.is_dir():
+            shutil.copytree(path, into / "docs" / path.name)
+        elif m is None or int(m.group(1)) < lesson:
+            shutil.copy2(path, into / "docs" / path.name)
+        elif int(m.group(1)) == lesson:
+            (into / "docs" / path.name).write_text(learners_edition(root, lesson, path.read_text()))
 
 
 def stub_files(workspace: Path, lesson: int, numbers: set[int]) -> None:
