@@ -16,9 +16,10 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import textwrap
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,56 +101,104 @@ def cmd_tasks(args) -> int:
 
 def cmd_start(args) -> int:
     lesson = lesson_number(args.lesson)
-    tasks = start(ROOT, lesson, Path(args.into), cache_root())
-    print(f"L{lesson}'s workspace: {Path(args.into).expanduser().resolve()} ({len(tasks)} tasks stubbed)")
+    into = Path(args.into).expanduser().resolve()
+    tasks = start(ROOT, lesson, into, cache_root())
+    print(f"L{lesson}'s workspace: {into} ({len(tasks)} tasks stubbed)")
     for t in tasks:
         print(f"  task {t.number}: {t.title} ({t.names()} in {t.functions[0].path})")
-    print(f"next: edit task 1 there, then `python {Path(__file__).relative_to(ROOT)} check L{lesson}`; "
-          f"the tasks in order: {doc_for(lesson).relative_to(ROOT)}, Tasks")
+    print(f"read {into / 'docs' / doc_for(lesson).name} (the learner's edition: each task's contract, no solutions); "
+          f"edit task 1 in {into}, then `python {Path(__file__).relative_to(ROOT)} check L{lesson}`")
     return 0
+
+
+KERNELS = {3: ("lessons.l3_block_tensor.backends.cpp_backend", "load_kernel", "L3's C++ attention kernel"),
+           14: ("lessons.l14_batch_invariant.ops", "load_ops", "L14's C++ ops")}
+
+
+def build_kernels(workspace: Path, lesson: int) -> None:
+    """Build (or load) the C++ kernels the lesson's tests use before they run, saying so, since a build takes about a
+    minute and `check` would otherwise sit silent. Its own line says when a build starts; this one how long it took."""
+    for first, (module, function, name) in KERNELS.items():
+        if lesson < first:
+            continue
+        began = time.monotonic()
+        code = (f"import sys\nfrom {module} import {function}\nfrom lessons.l3_block_tensor.backends.cpp_backend "
+                f"import KernelUnavailable\ntry:\n    {function}()\nexcept KernelUnavailable as e:\n"
+                f"    print(f'note: {name} is unavailable ({{e}}); its tests skip', file=sys.stderr)")
+        env = {**os.environ, "PYTHONPATH": str(workspace)}
+        subprocess.run([sys.executable, "-c", code], cwd=workspace, env=env, stdout=subprocess.DEVNULL, timeout=900)
+        seconds = time.monotonic() - began
+        if seconds > 5:
+            print(f"{name}: ready in {seconds:.0f} s (built once per cache folder; later checks load it in a second)",
+                  file=sys.stderr, flush=True)
+
+
+def next_lesson(lesson: int) -> str:
+    if lesson == max(lessons(ROOT)):
+        return "that was the last lesson: the course is done"
+    return (f"next lesson: L{lesson + 1} ({doc_for(lesson + 1).relative_to(ROOT)}): "
+            f"`python scripts/course.py start L{lesson + 1} --into DIR`")
 
 
 def cmd_check(args) -> int:
     lesson = lesson_number(args.lesson)
     workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
-    tasks = pick(lesson_tasks(workspace, lesson), args.task)
+    reference = reference_of(workspace)
+    # the tests each task must pass are the reference's: a test file missing from the workspace is noticed
+    every = lesson_tasks(reference if (reference / "lessons").is_dir() else workspace, lesson)
+    tasks = pick(every, args.task)
+    build_kernels(workspace, lesson)
     print(f"running L{lesson}'s task tests in {workspace} ...", file=sys.stderr, flush=True)
     results = run_tests(workspace, lesson, args.task)
-    done, next_task = 0, None
+    done, next_task, tests_passed, tests_total = 0, None, 0, 0
     for t in tasks:
         mine = [r for r in results if r.task == t.id]
-        tests = {r.nodeid.split("[")[0] for r in mine}  # a parametrized test counts once: it passes when all do
+        ran = {r.nodeid.split("[")[0] for r in mine}  # a parametrized test counts once: it passes when all do
         failing = {r.nodeid.split("[")[0] for r in mine if not r.passed}
-        ok = bool(mine) and not failing
+        missing = [test for test in t.tests if test not in ran]
+        ok = bool(mine) and not failing and not missing  # a task none (or not all) of whose tests ran never passes
         done += ok
+        tests_passed += len(ran - failing)
+        tests_total += len(t.tests)
         if not ok and next_task is None:
             next_task = (t, next((r for r in mine if not r.passed), None))
-        passed = len(tests - failing)
-        print(f"  {'PASS' if ok else 'todo'}  task {t.number}: {t.names()}  {passed} of {len(t.tests)} tests")
-    scope = f"task {args.task}" if args.task else f"{done} of {len(tasks)} tasks pass"
+        print(f"  {'PASS' if ok else 'todo'}  task {t.number}: {t.names()}  {len(ran - failing)} of {len(t.tests)} "
+              "tests pass")
+        if missing:
+            print(f"        could not run (not found in {workspace}): {', '.join(missing)}")
+    totals = f"{tests_passed} of {tests_total}"
     if next_task:
         t, failed = next_task
-        print(f"L{lesson}: {scope if args.task is None else scope + ' fails'}; next: task {t.number}, {t.names()} "
-              f"({t.functions[0].path})")
+        scope = f"task {args.task} fails" if args.task else f"{done} of {len(tasks)} tasks pass"
+        print(f"tests: {totals} pass")
+        print(f"L{lesson}: {scope}; next: task {t.number}, {t.names()} ({t.functions[0].path})")
         if failed is not None:
             print(f"  {failed.nodeid}")
             for line in failed.message.splitlines():
                 print(f"    {line}")
         return 1
-    print(f"L{lesson}: {scope}" + (" passes" if args.task else ""))
-    if args.task is None:
-        smoke = workspace / "scripts" / f"l{lesson}_smoke.py"
-        print(f"running the smoke: python scripts/{smoke.name} ...", file=sys.stderr, flush=True)
-        env = {**os.environ, "PYTHONPATH": str(workspace)}  # the workspace's lessons, never the installed course's
-        try:
-            run = subprocess.run([sys.executable, str(smoke)], cwd=workspace, env=env, capture_output=True, text=True,
-                                 timeout=1800)
-        except subprocess.TimeoutExpired:
-            raise TaskError(f"the smoke ran past 30 minutes in {workspace}") from None
-        tail = (run.stdout.strip().splitlines() or [""])[-1]
-        print(f"the smoke (exit {run.returncode}): {tail}")
-        return 0 if run.returncode == 0 else 1
-    return 0
+    if args.task:
+        after = next((k for k in every if k.number > args.task), None)
+        print(f"tests: {totals} pass")
+        print(f"L{lesson}: task {args.task} passes; next: " + (
+            f"task {after.number}, {after.names()} ({after.functions[0].path}): `check L{lesson} --task {after.number}`"
+            if after else f"every task done? `python scripts/course.py check L{lesson}` runs them all and the smoke"))
+        return 0
+    print(f"tests: {totals} pass")
+    print(f"L{lesson}: {done} of {len(tasks)} tasks pass")
+    smoke = workspace / "scripts" / f"l{lesson}_smoke.py"
+    print(f"running the smoke: python scripts/{smoke.name} ...", file=sys.stderr, flush=True)
+    env = {**os.environ, "PYTHONPATH": str(workspace)}  # the workspace's lessons, never the installed course's
+    try:
+        run = subprocess.run([sys.executable, str(smoke)], cwd=workspace, env=env, capture_output=True, text=True,
+                             timeout=1800)
+    except subprocess.TimeoutExpired:
+        raise TaskError(f"the smoke ran past 30 minutes in {workspace}") from None
+    tail = (run.stdout.strip().splitlines() or [""])[-1]
+    print(f"the smoke (exit {run.returncode}): {tail}")
+    if run.returncode == 0:
+        print(f"L{lesson} is built. {next_lesson(lesson)}")
+    return 0 if run.returncode == 0 else 1
 
 
 def cmd_diff(args) -> int:
@@ -158,11 +207,19 @@ def cmd_diff(args) -> int:
     root = reference_of(workspace)
     for t in pick(lesson_tasks(root, lesson), args.task):
         for f in t.functions:
-            mine = function_source((workspace / f.path).read_text(), f.qualname)
+            try:
+                mine = function_source((workspace / f.path).read_text(), f.qualname)
+            except SyntaxError as e:
+                print(f"task {t.number}, {f.qualname}: your {f.path} does not parse (line {e.lineno}: {e.msg})")
+                continue
+            if not mine:
+                print(f"task {t.number}, {f.qualname}: not in your {f.path} (renamed or deleted?)")
+                continue
             reference = function_source((root / f.path).read_text(), f.qualname)
             lines = list(difflib.unified_diff(mine.splitlines(keepends=True), reference.splitlines(keepends=True),
                                               f"yours: {f.path}::{f.qualname}", f"reference: {f.path}::{f.qualname}"))
-            print(f"task {t.number}, {f.qualname}: " + ("the same as the reference" if not lines else ""))
+            print(f"task {t.number}, {f.qualname}: "
+                  + ("the same as the reference" if not lines else "yours (-) beside the reference (+):"))
             sys.stdout.writelines(lines)
     return 0
 
@@ -172,8 +229,9 @@ def cmd_reset(args) -> int:
     workspace = find(lesson, Path(args.workspace) if args.workspace else None, cache_root())
     root = reference_of(workspace)
     tasks = pick(lesson_tasks(root, lesson), args.task)
-    restore(workspace, root, lesson, {t.number for t in tasks})
-    print(f"L{lesson}: the stub of task {', '.join(str(t.number) for t in tasks)} is back in {workspace}")
+    backup = restore(workspace, root, lesson, {t.number for t in tasks})
+    print(f"L{lesson}: the stub of task {', '.join(str(t.number) for t in tasks)} is back in {workspace}; "
+          f"your version is kept in {backup}")
     return 0
 
 

@@ -159,15 +159,63 @@ def test_l2_start_check_fill_in_reset_diff(tmp_path):
             mine = (workspace / f.path).read_text()
             reference = function_source((ROOT / f.path).read_text(), f.qualname)
             (workspace / f.path).write_text(mine.replace(function_source(mine, f.qualname), reference, 1))
-    run = course("check", "L2", "--in", str(workspace), cache=cache)
-    assert f"L2: 2 of {len(tasks)} tasks pass; next: task 3" in run.stdout, run.stdout
+    checked = course("check", "L2", "--in", str(workspace), cache=cache)
+    assert f"L2: 2 of {len(tasks)} tasks pass; next: task 3" in checked.stdout, checked.stdout
     run = course("diff", "L2", "--task", "1", cache=cache)
     assert run.returncode == 0 and "the same as the reference" in run.stdout
     run = course("diff", "L2", "--task", "3", cache=cache)
     assert "+++ reference" in run.stdout and "raise NotImplementedError" in run.stdout
-    assert course("reset", "L2", "--task", "2", cache=cache).returncode == 0
+    total = sum(len(t.tests) for t in tasks)
+    assert f"tests: {len(tasks[0].tests) + len(tasks[1].tests)} of {total} pass" in checked.stdout, checked.stdout
+    run = course("check", "L2", "--task", "2", cache=cache)
+    assert run.returncode == 0 and "L2: task 2 passes; next: task 3, `Request.slot`" in run.stdout, run.stdout
+    mine = (workspace / tasks[1].functions[0].path).read_text()
+    run = course("reset", "L2", "--task", "2", cache=cache)
+    assert run.returncode == 0 and "your version is kept in " in run.stdout, run.stdout
+    backup = Path(run.stdout.split("your version is kept in ")[1].strip())
+    assert (backup / tasks[1].functions[0].path).read_text() == mine, "reset kept no copy of the learner's file"
     run = course("check", "L2", cache=cache)
     assert f"L2: 1 of {len(tasks)} tasks pass; next: task 2" in run.stdout, run.stdout
+    (workspace / "tests" / "test_l2_allocator.py").unlink()  # task 1's tests: gone, so task 1 cannot pass
+    run = course("check", "L2", cache=cache)
+    assert f"L2: 0 of {len(tasks)} tasks pass; next: task 1" in run.stdout, run.stdout
+    assert "could not run (not found in" in run.stdout and "test_l2_allocator.py::" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_a_finished_lesson_names_the_next_one(tmp_path):
+    cache, workspace = tmp_path / "cache", tmp_path / "ws"
+    assert course("start", "L1", "--into", str(workspace), cache=cache).returncode == 0
+    for path in {f.path for t in lesson_tasks(ROOT, 1) for f in t.functions}:  # every task filled in
+        (workspace / path).write_text((ROOT / path).read_text())
+    run = course("check", "L1", cache=cache)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "L1 is built. next lesson: L2 (docs/l2_token_flat.md)" in run.stdout, run.stdout
+
+
+def test_a_full_folder_hint_and_the_docs_it_names_work(tmp_path):
+    """The hints `start` prints lead somewhere that works: the workspace's own doc, and, given a folder that is
+    already a workspace, the command to go on with it."""
+    cache, workspace = tmp_path / "cache", tmp_path / "ws"
+    run = course("start", "L2", "--into", str(workspace), cache=cache)
+    doc = run.stdout.split("read ")[1].split(" (the learner's edition")[0]
+    assert Path(doc).is_file(), run.stdout
+    run = course("start", "L2", "--into", str(workspace), cache=cache)
+    assert run.returncode == 2 and "go on with the workspace there" in run.stderr, run.stderr
+    hint = run.stderr.split("`python ")[1].split("`")[0].split()
+    again = course(*hint[1:], cache=cache)
+    assert "running L2's task tests in" in again.stderr and again.returncode == 1, again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda n: f"L{n}")
+def test_the_workspace_holds_every_file_its_cards_test_command_names(lesson, tmp_path):
+    from build_track.workspace import card_test_files
+
+    start(ROOT, lesson, tmp_path / "ws", cache=None)
+    named = card_test_files(ROOT, lesson)
+    assert named, f"L{lesson}'s card names no test files"
+    missing = [p.name for p in named if not (tmp_path / "ws" / "tests" / p.name).is_file()]
+    assert not missing, f"L{lesson}'s card test command names {missing}, which its workspace lacks"
 
 
 @pytest.mark.slow

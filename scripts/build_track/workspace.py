@@ -31,13 +31,29 @@ def _remembered(cache: Path) -> Path:
     return cache / "build-track.json"
 
 
+CARD_TESTS = re.compile(r"^\*\*Tests:\*\* `python -m pytest[^`]*`", re.M)
+
+
+def card_test_files(root: Path, lesson: int) -> list[Path]:
+    """The test files the command on lesson `lesson`'s card names (its globs expanded)."""
+    docs = [p for p in (root / "docs").glob(f"l{lesson}_*.md") if not p.stem.endswith("_appendix")]
+    card = CARD_TESTS.search(docs[0].read_text()) if len(docs) == 1 else None
+    if card is None:
+        return []
+    return sorted({p for word in card.group(0).split() if word.strip("`").startswith("tests/")
+                   for p in root.glob(word.strip("`"))})
+
+
 def wanted_test_files(root: Path, lesson: int) -> list[Path]:
-    """tests/ files a workspace of `lesson` holds: helpers, and every lesson test file of lessons <= lesson."""
+    """tests/ files a workspace of `lesson` holds: helpers, every lesson test file of lessons <= lesson, and every
+    file the cards of those lessons name (L2's names tests/test_bad_input.py)."""
     files = [root / "tests" / h for h in HELPERS if (root / "tests" / h).exists()]
     for path in sorted((root / "tests").glob("test_l*.py")):
         numbers = [int(n) for n in TEST_LESSONS.findall(path.stem)]
         if numbers and max(numbers) <= lesson:
             files.append(path)
+    for below in range(1, lesson + 1):
+        files += [p for p in card_test_files(root, below) if p not in files]
     return files
 
 
@@ -47,7 +63,14 @@ def start(root: Path, lesson: int, into: Path, cache: Path | None) -> list[Task]
     if into == root or root in into.parents:
         raise TaskError(f"--into {into} is inside the course itself; name a folder outside {root}")
     if into.exists() and any(into.iterdir()):
-        raise TaskError(f"--into {into} exists and is not empty; name a new folder (or `course.py reset` in it)")
+        hint = "name a new folder"
+        try:
+            made = json.loads((into / STATE).read_text()).get("lesson")
+            hint += (f", or go on with the workspace there: `python scripts/course.py check L{made} --in {into}` "
+                     f"(`reset L{made} --task K --in {into}` puts one task's stub back)")
+        except (OSError, ValueError):
+            pass
+        raise TaskError(f"--into {into} exists and is not empty; {hint}")
     tasks = lesson_tasks(root, lesson)
     if not tasks:
         raise TaskError(f"L{lesson} has no tasks yet")
@@ -245,10 +268,19 @@ def _forked_pytest(workspace: Path, args: list[str], timeout: float) -> int:
     raise TaskError(f"the task tests ran past {timeout:.0f} s in {workspace}")
 
 
-def restore(workspace: Path, root: Path, lesson: int, numbers: set[int]) -> None:
+def restore(workspace: Path, root: Path, lesson: int, numbers: set[int]) -> Path:
     """Put the reference's stubs of the given tasks back (and leave every other function as the learner has it):
-    each stubbed function's text is swapped in the learner's file, found by its name."""
+    each stubbed function's text is swapped in the learner's file, found by its name. The files as they were go
+    to a backup folder first, `.course-backups/<time>/` in the workspace, which is returned."""
     from build_track.tasks import function_source
+
+    backup = workspace / ".course-backups" / time.strftime("%Y%m%d-%H%M%S")
+    while backup.exists():  # two resets in one second
+        backup = backup.with_name(backup.name + "+")
+    touched = {fn.path for task in lesson_tasks(root, lesson) if task.number in numbers for fn in task.functions}
+    for path in sorted(touched):
+        (backup / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(workspace / path, backup / path)
 
     for task in lesson_tasks(root, lesson):
         if task.number not in numbers:
@@ -261,6 +293,7 @@ def restore(workspace: Path, root: Path, lesson: int, numbers: set[int]) -> None
             if not current:
                 raise TaskError(f"{fn.path} no longer has `{fn.qualname}`")
             mine_path.write_text(mine.replace(current, stub, 1))
+    return backup
 
 
 def verify(root: Path, lesson: int, timeout: float = 1800) -> list[str]:
