@@ -124,7 +124,7 @@ def build_kernels(workspace: Path, lesson: int) -> None:
         began = time.monotonic()
         code = (f"import sys\nfrom {module} import {function}\nfrom lessons.l3_block_tensor.backends.cpp_backend "
                 f"import KernelUnavailable\ntry:\n    {function}()\nexcept KernelUnavailable as e:\n"
-                f"    print(f'note: {name} is unavailable ({{e}}); its tests skip', file=sys.stderr)")
+                f"    print('note:', {name!r}, f'is unavailable ({{e}}); its tests skip', file=sys.stderr)")
         env = {**os.environ, "PYTHONPATH": str(workspace)}
         subprocess.run([sys.executable, "-c", code], cwd=workspace, env=env, stdout=subprocess.DEVNULL, timeout=900)
         seconds = time.monotonic() - began
