@@ -20,8 +20,12 @@ def test_reserve_allocates_exactly_ceil_blocks(s):
         a = BlockAllocator(64)
         req = Request([0] * n, block_size=s)
         req.reserve(n, a)
-        assert len(req.blocks) == -(-n // s), f"{n} tokens in blocks of {s} need {-(-n // s)} blocks, got {req.blocks}"
-        assert a.num_free == 64 - len(req.blocks)
+        want = -(-n // s)
+        assert len(req.blocks) == want, (
+            f"reserve({n}) at S={s} must cover {n} token(s) with {want} block(s) (ceil), got {len(req.blocks)}: "
+            f"{req.blocks}")
+        assert a.num_free == 64 - len(req.blocks), (f"reserve({n}) at S={s} holds {len(req.blocks)} blocks, yet the "
+                                                    f"allocator has {a.num_free} of 64 free")
 
 
 @pytest.mark.task("L2.2")
@@ -34,9 +38,10 @@ def test_reserve_grows_only_when_a_block_fills(s):
         req.reserve(n, a)
         seen.append(len(req.blocks))
     # A new block appears exactly at token counts 1, s+1, 2s+1, ...
-    assert [n for n, (prev, cur) in enumerate(zip([0] + seen, seen), start=1) if cur > prev] == list(
-        range(1, 3 * s + 2, s)
-    )
+    grew = [n for n, (prev, cur) in enumerate(zip([0] + seen, seen), start=1) if cur > prev]
+    assert grew == list(range(1, 3 * s + 2, s)), (
+        f"S={s}: reserve(n) for n = 1, 2, ... must add a block exactly when n reaches 1, S+1, 2S+1, ... (ceil); "
+        f"it added one at n = {grew}")
 
 
 @pytest.mark.task("L2.3")
@@ -52,8 +57,10 @@ def test_slots_are_block_times_size_plus_offset(s):
             want = req.blocks[pos // s] * s + pos % s
             assert slot == want, (f"S={s}, block table {req.blocks}: position {pos} is offset {pos % s} of block "
                                   f"{req.blocks[pos // s]}, slot {want}; got {slot}")
-            assert slot // s in req.blocks
-        assert len(set(slots)) == n
+            assert slot // s in req.blocks, (
+                f"S={s}: slot {slot} of position {pos} lies in block {slot // s}, not in the table {req.blocks}")
+        assert len(set(slots)) == n, (
+            f"S={s}: {n} positions share {len(set(slots))} slots: two positions would overwrite each other")
         a.free(req.blocks)
 
 
@@ -61,19 +68,31 @@ def test_slots_are_block_times_size_plus_offset(s):
 @pytest.mark.parametrize("s", BLOCK_SIZES)
 def test_forward_meta_prefill_then_decode(s):
     a = BlockAllocator(64)
+    a.alloc(3)  # so the request's blocks are not 0, 1, ... and a slot is not its position
     n = s + 1  # prompt crosses one boundary
     req = Request(list(range(n)), block_size=s)
     req.reserve(n, a)
     meta = ForwardMeta.for_step(req, torch.device("cpu"))
-    assert meta.is_prefill
-    assert meta.positions.tolist() == list(range(n))
-    assert meta.slot_mapping.tolist() == meta.kv_indices.tolist() == req.slots(0, n)
+    where = f"S={s}, block table {req.blocks}, the {n}-token prefill"
+    assert meta.is_prefill, f"{where}: is_prefill is False, but num_cached is 0"
+    assert meta.positions.tolist() == list(range(n)), f"{where}: positions {meta.positions.tolist()}, want 0..{n - 1}"
+    assert meta.slot_mapping.tolist() == req.slots(0, n), (
+        f"{where}: slot_mapping {meta.slot_mapping.tolist()}, want the slots of positions 0..{n - 1}, "
+        f"{req.slots(0, n)}")
+    assert meta.kv_indices.tolist() == req.slots(0, n), (
+        f"{where}: kv_indices {meta.kv_indices.tolist()}, want the slots of the whole history 0..{n - 1}, "
+        f"{req.slots(0, n)}")
     req.num_cached = n
     req.output_ids.append(7)
     req.reserve(req.num_tokens, a)
     meta = ForwardMeta.for_step(req, torch.device("cpu"))
-    assert not meta.is_prefill
-    assert meta.positions.tolist() == [n]
-    assert meta.slot_mapping.tolist() == [req.slot(n)]
-    assert meta.kv_indices.tolist() == req.slots(0, n + 1)
-    assert meta.kv_indices.dtype == torch.int64
+    where = f"S={s}, block table {req.blocks}, the decode of position {n} after {n} cached"
+    assert not meta.is_prefill, f"{where}: is_prefill is True, but num_cached is {n}"
+    assert meta.positions.tolist() == [n], f"{where}: positions {meta.positions.tolist()}, want [{n}] (absolute)"
+    assert meta.slot_mapping.tolist() == [req.slot(n)], (
+        f"{where}: slot_mapping {meta.slot_mapping.tolist()}, want only the new token's slot [{req.slot(n)}]")
+    assert meta.kv_indices.tolist() == req.slots(0, n + 1), (
+        f"{where}: kv_indices {meta.kv_indices.tolist()}, want the slots of the whole history 0..{n} (new token "
+        f"included), {req.slots(0, n + 1)}")
+    for name in ("positions", "slot_mapping", "kv_indices"):
+        assert getattr(meta, name).dtype == torch.int64, f"{name} is {getattr(meta, name).dtype}, want torch.int64"

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lessons.l1_contiguous.kv_cache import ContiguousKvCache, ContiguousMeta
+from shared.model import Qwen3ForCausalLM
 from shared.tiny_qwen3 import build_tiny_qwen3, checkpoint_digest
 from shared.tokenizer import FIRST_SPECIAL_ID, QWEN_TIKTOKEN_SHA256, SPECIAL_TOKENS, qwen_tiktoken_path
 
@@ -77,6 +78,18 @@ def test_decode_positions_off_by_one_change_the_tokens(tiny_model, sentence):
     # Shifting *every* position is invisible (RoPE sees only distances); the real bug shifts decode steps only.
     assert greedy(tiny_model, sentence, 20, decode_shift=1) != greedy(tiny_model, sentence, 20)
     assert greedy(tiny_model, sentence, 20, decode_shift=-1) != greedy(tiny_model, sentence, 20)
+
+
+def test_a_fresh_build_is_not_lazy(sentence, tmp_path):
+    """The builder's own output, not the cached copy: with the final norm's gains all 1 (not +-1) tied embeddings
+    predict the current token, greedy repeats one token and a corrupted cached key changes nothing."""
+    model = Qwen3ForCausalLM.from_dir(build_tiny_qwen3(tmp_path / "fresh"), torch.float32, torch.device("cpu"))
+    out = greedy(model, sentence, 20)
+    assert len(set(out)) >= 15, (
+        f"a fresh build of the tiny model gives {len(set(out))} distinct tokens in 20 ({out}): a lazy model that hides "
+        "KV bugs (shared/tiny_qwen3.py's final-norm and q/k gains)")
+    assert greedy(model, sentence, 20, corrupt_layer=0, corrupt_pos=len(sentence) // 2) != out, (
+        "negating one cached key of a fresh build changes no token: KV bugs would pass unseen")
 
 
 

@@ -18,6 +18,7 @@ class BlockAllocator:
 
     # Task L2.1: hand out n free block ids, all or nothing; take them back, checked
     def alloc(self, n: int) -> list[int]:
+        """n ids from the front of the free list. All or nothing: too few free raises PoolExhausted(needed=n, ...)."""
         if n > len(self._free):
             raise PoolExhausted(needed=n, free=len(self._free), total=self.num_blocks)
         blocks = [self._free.popleft() for _ in range(n)]
@@ -27,8 +28,8 @@ class BlockAllocator:
 
     # Task L2.1: hand out n free block ids, all or nothing; take them back, checked
     def free(self, blocks: list[int]) -> None:
-        # Check everything before touching anything, so a bad call leaves the pool as it was.
-        # These are bookkeeping bugs, not bad input: callers only free ids they were given.
+        """Each to the back of the free list (reused last). All checked first, nothing freed on error: ValueError
+        "block {b} is not in this pool (0..{last})" or "block {b} freed twice"."""
         seen: set[int] = set()
         for b in blocks:
             if not 0 <= b < self.num_blocks:  # -1 would silently index _is_free from the end
@@ -38,4 +39,4 @@ class BlockAllocator:
             seen.add(b)
         for b in blocks:
             self._is_free[b] = True
-            self._free.append(b)  # to the back: a just-freed block is reused last, so stale reads show
+            self._free.append(b)

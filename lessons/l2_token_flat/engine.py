@@ -48,6 +48,8 @@ class L2Engine:
 
     # Task L2.6: L1's loop over the pool: reserve, feed, sample, free every block at the end
     def generate(self, prompt_ids: list[int], stop: StopRule) -> list[int]:
+        """check_fits before any forward; each step feeds only the tokens not yet cached; every block freed at the
+        end, on success or failure."""
         check_prompt(prompt_ids, stop, self.model.config)
         self.check_fits(prompt_ids, stop)
         req = Request(list(prompt_ids), self.block_size)

@@ -31,7 +31,8 @@ class Request:
 
     # Task L2.2: grow the block table to cover num_tokens, nothing changed on failure
     def reserve(self, num_tokens: int, allocator: BlockAllocator) -> None:
-        """Grow the block table to hold `num_tokens` tokens. Raises PoolExhausted with nothing changed."""
+        """Grow the block table to ceil(num_tokens / S) blocks. All or nothing: PoolExhausted leaves the table and
+        the allocator as they were."""
         needed = -(-num_tokens // self.block_size) - len(self.blocks)
         if needed > 0:
             self.blocks += allocator.alloc(needed)

@@ -85,6 +85,19 @@ MUTATIONS: list[Mutation] = [
              "lessons/l1_contiguous/engine.py", "start += len(tokens)", "start += 1", L1L2_PARITY),
     Mutation("l1-meta-start", "L1 cache", "ContiguousMeta start off by one (writes one row late)",
              "lessons/l1_contiguous/engine.py", "ContiguousMeta(start))", "ContiguousMeta(start + 1))", L1L2_PARITY),
+    Mutation("l1-decode-positions-shifted", "positions", "decode positions shifted by one, prefill's right (shifting "
+             "every position is invisible: RoPE sees distances only) (docs/l1_contiguous.md, pitfall 2)",
+             "lessons/l1_contiguous/engine.py", "positions = torch.arange(start, start + len(tokens), device=self.device)",
+             "positions = torch.arange(start, start + len(tokens), device=self.device) + (start > 0)",
+             ("tests/test_l1_tasks.py::test_generate_matches_hf_token_for_token",) + L1L2_PARITY),
+    Mutation("config-rope-theta-top-level", "config", "rope_theta read only at the config's top level: transformers 5 "
+             "keeps it in rope_parameters (KeyError) (docs/l1_contiguous.md, pitfall 5)",
+             "shared/config.py", 'theta = raw.get("rope_theta", rope.get("rope_theta"))', 'theta = raw["rope_theta"]',
+             ("tests/test_l1_l2_parity.py::test_other_configs",)),
+    Mutation("tiny-final-norm-ones", "tiny model", "the tiny model's final norm gains all 1 (not +-1): tied "
+             "embeddings predict the current token, greedy repeats it (docs/l1_contiguous.md, pitfall 4)",
+             "shared/tiny_qwen3.py", "(e,), generator=g).float() * 2 - 1", "(e,), generator=g).float() * 0 + 1",
+             ("tests/test_tiny_model.py::test_a_fresh_build_is_not_lazy",)),
     # --- shared attention / model ---
     Mutation("mask-strict", "masks", "causal mask excludes the diagonal (< instead of <=)",
              "shared/attention.py", "[None, :] <= q_pos", "[None, :] < q_pos", ("tests/test_l3_torch_backend.py",)),
@@ -121,7 +134,21 @@ MUTATIONS: list[Mutation] = [
              "causal_attention(q, self.k[0][meta.kv_indices], self.v[0][meta.kv_indices])", L1L2_PARITY),
     Mutation("l2-no-advance", "runner", "engine never advances num_cached (re-prefills everything every step)",
              "lessons/l2_token_flat/engine.py", "req.num_cached = req.num_tokens", "pass",
-             ("tests/test_l1_l2_parity.py", "-k", "prefill_once")),
+             ("tests/test_l2_tasks.py::test_generate_prefills_once_then_feeds_one_token_a_step",
+              "tests/test_l1_l2_parity.py", "-k", "prefill_once")),
+    Mutation("l2-no-check-fits", "runner", "generate skips check_fits: a request the pool can never hold fails "
+             "halfway with PoolExhausted (docs/l2_token_flat.md, pitfall 3)",
+             "lessons/l2_token_flat/engine.py", "        self.check_fits(prompt_ids, stop)\n", "",
+             ("tests/test_l2_tasks.py", "-k", "never_hold")),
+    Mutation("l2-leak", "runner", "generate never frees the request's blocks (docs/l2_token_flat.md, exercise 3)",
+             "lessons/l2_token_flat/engine.py",
+             "            self.allocator.free(req.blocks)  # on success and on any failure: no block leaks\n", "",
+             ("tests/test_l2_tasks.py", "-k", "frees_every_block")),
+    Mutation("l2-reserve-not-atomic", "allocator", "reserve takes one block at a time: a reserve that fails with "
+             "PoolExhausted leaves the blocks it got behind (docs/l2_token_flat.md, exercise 4)",
+             REQ, "self.blocks += allocator.alloc(needed)",
+             "for _ in range(needed):\n                self.blocks += allocator.alloc(1)",
+             ("tests/test_l2_allocator.py", "-k", "reserve_failure")),
     Mutation("alloc-free-front", "allocator", "free pushes to the front of the free list (reused first)",
              "lessons/l2_token_flat/block_allocator.py", "self._free.append(b)", "self._free.appendleft(b)",
              ("tests/test_l2_allocator.py",)),
