@@ -92,7 +92,7 @@ def verify_planted(root: Path, lesson: int, doc: Path, timeout: float = 600) -> 
     the owning task's tests (or, for code no task owns, the mutation's own tests). Returns (problems, report lines)."""
     import tempfile
 
-    from build_track.workspace import run_pytest_forked, run_tests, start
+    from build_track.workspace import run_pytest, run_tests, start
 
     known, plant = _mutations()
     problems, report = [], []
@@ -142,11 +142,12 @@ def verify_planted(root: Path, lesson: int, doc: Path, timeout: float = 600) -> 
                         if not any(in_learners_terms(r.message) for r in failed):
                             problems.append(f"{mid}: {where} fails, but not in a learner's terms: {said}")
                 else:
-                    code = run_pytest_forked(workspace, list(m.tests), timeout)
-                    report.append(f"{mid}: no task owns {m.file}; its own tests "
-                                  f"{'catch it' if code == 1 else f'exit {code}'}")
-                    if code != 1:
-                        problems.append(f"{mid}: no task owns it, and its own tests exit {code}, not 1 (a failure)")
+                    code = run_pytest(workspace, list(m.tests), timeout)
+                    if code == 1:
+                        report.append(f"{mid}: no task owns {m.file}; its own tests fail: {' '.join(m.tests)}")
+                    else:
+                        problems.append(f"{mid}: no task owns {m.file}, and its own tests exit {code}, not 1 (a "
+                                        "failure)")
             except TaskError as e:
                 problems.append(f"{mid}: {e}")
             finally:

@@ -231,10 +231,17 @@ def _warm() -> None:
     _warmed = True
 
 
-def run_pytest_forked(workspace: Path, tests: list[str], timeout: float) -> int:
-    """pytest's exit status for `tests` (node ids, files, -k EXPR) run in the workspace, forked as verify's runs are."""
-    return _forked_pytest(workspace, ["-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:xdist", "-p",
-                                      "no:hypothesispytest", *tests], timeout)
+def run_pytest(workspace: Path, tests: list[str], timeout: float) -> int:
+    """pytest's exit status for `tests` (node ids, files, -k EXPR) run in the workspace, in a fresh process: unlike
+    a fork of verify's process, it imports the workspace's shared/ too (a mutation there must be seen)."""
+    args = ["-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:hypothesispytest", *tests]
+    env = {**os.environ, "PYTHONPATH": str(workspace)}
+    env.pop("PYTEST_ADDOPTS", None)
+    try:
+        return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=workspace, env=env, capture_output=True,
+                              timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        raise TaskError(f"{' '.join(tests)} ran past {timeout:.0f} s in {workspace}") from None
 
 
 def _forked_pytest(workspace: Path, args: list[str], timeout: float) -> int:
