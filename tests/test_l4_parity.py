@@ -78,6 +78,7 @@ def test_stop_token_ids_and_eos_stop_early_and_keep_the_token(tiny_model, hf, pr
     assert by_stop_id == cut and by_eos == cut
 
 
+@pytest.mark.task("L4.7")
 def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(tiny_model, prompt_ids, stop):
     params = [SamplingParams(0.8, 0, 0.95, seed=11), SamplingParams(1.2, 40, 1.0, seed=12), SamplingParams(1.0, seed=13)]
     prompts = prompt_ids[:3]
@@ -85,9 +86,33 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(tiny_model, prompt_ids
     crowd = [Arrival(p, stop, s, step=2 * i) for i, (p, s) in enumerate(zip(prompts, params))]
     crowd += [Arrival(p, stop, SamplingParams(0.7), step=i) for i, p in enumerate(prompt_ids)]  # unseeded companions
     together = L4Engine(tiny_model, 4, max_running=5, backend="torch").run(crowd)
-    assert together[:3] == alone
+    for i, (got, want) in enumerate(zip(together, alone)):
+        assert got == want, (f"seeded request {i} (seed {params[i].seed}) sampled {got} among 6 others, {want} alone: "
+                             "each sampled row must draw from its own request's generator (Sequence.generator)")
     greedy = [L4Engine(tiny_model, backend="torch").run([Arrival(p, stop)])[0] for p in prompts]
-    assert alone != greedy  # the check would be empty if sampling fell back to argmax
+    assert alone != greedy, "sampled requests gave the greedy tokens: sampling fell back to argmax"
+
+
+def test_the_benchmarks_hf_row_gives_each_request_its_own_max_new_tokens(tiny_dir):
+    """HF's generate_batch takes one max_new_tokens for every request (docs/l4_continuous.md's pitfall): the
+    benchmark drives its manager and hands each add_request its own."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path[:0] = [p for p in (str(scripts), str(scripts / "benchmark")) if p not in sys.path]
+    from bench_systems import Job, hf_continuous
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)  # not hf's: the manager rewires it
+    jobs = [Job(list(range(100 + 10 * i, 105 + 10 * i)), n) for i, n in enumerate((5, 9, 3, 7))]
+    result = hf_continuous(model, jobs, 16, 64, 4, lambda done: None)
+    assert result.error is None, f"HF's continuous batching failed: {result.error}"
+    assert result.output_tokens == 24, (
+        f"requests asking for 5, 9, 3 and 7 tokens came back with {result.output_tokens} in all, not 24: each "
+        "add_request needs its own max_new_tokens")
 
 
 @pytest.mark.task("L4.7")

@@ -50,15 +50,17 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token():
     # 1 - 1e-9 rounds to 1 in fp32, so every cumulative mass is "<= 1 - top_p": only the rule that the top
     # token always stays keeps the support from being empty (and the probabilities from being NaN).
     kept, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=1e-9))
-    assert ids.tolist() == [0]
-    assert kept.tolist() == [1.0]
+    assert ids.tolist() == [0] and kept.tolist() == [1.0], (
+        f"top-p 1e-9 kept tokens {ids.tolist()} with probabilities {kept.tolist()}: want [0] with [1.0], the most "
+        "likely token always stays (HF's rule), so the support is never empty")
 
 
 @pytest.mark.task("L4.5")
 def test_top_k_then_top_p_renormalises_in_between():
     # top-k 3 leaves [2, 1, 0.5]; renormalised, token 0 alone holds ~0.63 < 0.7, so two tokens stay
     _, ids = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
-    assert ids.tolist() == [0, 1]
+    assert ids.tolist() == [0, 1], (f"top-k 3 then top-p 0.7 of {LOGITS.tolist()} kept {ids.tolist()}: want [0, 1] "
+                                    "(top-p measures the mass top-k left, renormalised)")
 
 
 @pytest.mark.task("L4.5")
@@ -95,18 +97,23 @@ def test_support_and_probabilities_match_hfs_warpers(row, temperature, top_k, to
     logits, p = HF_ROWS[row], SamplingParams(temperature, top_k, top_p)
     want = hf_probs(logits, p)
     probs, ids = filtered_probs(logits, p)
-    assert set(ids.tolist()) == set(want.nonzero().flatten().tolist())
+    hf_ids = want.nonzero().flatten().tolist()
+    assert set(ids.tolist()) == set(hf_ids), (f"{p}: the kept support is {sorted(ids.tolist())}, HF's warpers keep "
+                                              f"{hf_ids}")
     dense = torch.zeros_like(want)
     dense[ids] = probs
     # measured 1.2e-7 (Intel Xeon AMX; torch capped to AVX2 the same): 41x margin
-    torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(dense, want, rtol=1e-5, atol=1e-7), (
+        f"{p}: the kept probabilities differ from HF's warpers' by up to {float((dense - want).abs().max()):.3g}")
 
 
 def assert_one_draw_per_token(generator: torch.Generator, seed: int, tokens: int) -> None:
     replay = torch.Generator().manual_seed(seed)
     for _ in range(tokens):
         torch.rand(1, generator=replay)
-    assert torch.equal(generator.get_state(), replay.get_state())
+    assert torch.equal(generator.get_state(), replay.get_state()), (
+        f"after {tokens} sampled token(s) the request's generator is not where {tokens} torch.rand(1) draws leave "
+        "it: draw exactly one uniform per token, from the request's own generator")
 
 
 @pytest.mark.task("L4.6")
@@ -115,14 +122,35 @@ def test_a_tiny_temperature_picks_the_argmax_with_one_draw_per_token(temperature
     logits = torch.randn(20, 1000, generator=torch.Generator().manual_seed(3)) * 4
     g = torch.Generator().manual_seed(9)
     picks = [sample_row(row, SamplingParams(temperature), g) for row in logits]
-    assert picks == logits.argmax(dim=-1).tolist()
+    wrong = [i for i, (a, b) in enumerate(zip(picks, logits.argmax(dim=-1).tolist())) if a != b]
+    assert not wrong, f"at temperature {temperature} rows {wrong} did not pick their argmax"
     assert_one_draw_per_token(g, 9, len(logits))
 
 
 @pytest.mark.task("L4.5")
 def test_a_tiny_temperature_shares_a_tie_at_the_top():
     probs, ids = filtered_probs(torch.tensor([2.0, 1.0, 2.0]), SamplingParams(1e-45))
-    assert ids.tolist() == [0, 2] and probs.tolist() == [0.5, 0.5]
+    assert ids.tolist() == [0, 2] and probs.tolist() == [0.5, 0.5], (
+        f"logits [2, 1, 2] at temperature 1e-45 kept {ids.tolist()} with {probs.tolist()}: want the tie [0, 2] at "
+        "[0.5, 0.5]")
+
+
+@pytest.mark.task("L4.5")
+@pytest.mark.parametrize("temperature", [1.0, 1e-3, 1e-36])
+def test_the_row_is_max_shifted_before_the_temperature(temperature):
+    """Softmax ignores a shift, the division does not: logits of 1e4 over a tiny temperature overflow to inf
+    unless the row's max is subtracted first, and inf - inf is NaN."""
+    row = torch.tensor([1e4, 9990.0, 0.0, -1e4])
+    probs, ids = filtered_probs(row, SamplingParams(temperature))
+    assert torch.isfinite(probs).all(), (
+        f"logits {row.tolist()} at temperature {temperature} give probabilities {probs.tolist()}: subtract the "
+        "row's max before dividing by the temperature (max-shifted), so the top token sits at 0 and none overflows")
+    want = torch.softmax((row - row.max()) / temperature, dim=-1)
+    dense = torch.zeros_like(want)
+    dense[ids] = probs
+    assert torch.allclose(dense, want, rtol=1e-5, atol=1e-7), (
+        f"logits {row.tolist()} at temperature {temperature} give {dense.tolist()}, not the max-shifted softmax "
+        f"{want.tolist()}")
 
 
 @pytest.mark.task("L4.6")
@@ -131,12 +159,17 @@ def test_a_tiny_temperature_shares_a_tie_at_the_top():
 def test_extreme_temperatures_never_give_nan(temperature, top_k, top_p):
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 30
     probs, ids = filtered_probs(logits, SamplingParams(temperature, top_k, top_p))
-    assert torch.isfinite(probs).all() and (probs > 0).all() and len(ids) >= 1
-    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5)
+    where = f"temperature {temperature}, top-k {top_k}, top-p {top_p}"
+    assert torch.isfinite(probs).all() and (probs > 0).all() and len(ids) >= 1, (
+        f"{where}: the kept probabilities must be finite and positive, at least one: got {probs.tolist()[:5]}...")
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5), (
+        f"{where}: the kept probabilities sum to {float(probs.sum())}")
     if temperature < 1:
-        assert ids.tolist() == [int(logits.argmax())]
+        assert ids.tolist() == [int(logits.argmax())], (
+            f"{where}: a tiny temperature keeps the argmax alone, got {ids.tolist()}")
     g = torch.Generator().manual_seed(2)
-    assert sample_row(logits, SamplingParams(temperature, top_k, top_p), g) in ids.tolist()
+    picked = sample_row(logits, SamplingParams(temperature, top_k, top_p), g)
+    assert picked in ids.tolist(), f"{where}: sample_row picked {picked}, outside the kept support"
     assert_one_draw_per_token(g, 2, 1)
 
 
@@ -157,10 +190,12 @@ def test_sampled_frequencies_match_the_target(params):
     target = dict(zip(ids.tolist(), probs.tolist()))
     g = torch.Generator().manual_seed(1234)
     draws = [sample_row(LOGITS, params, g) for _ in range(20_000)]
-    assert set(draws) <= set(target)  # never outside the support
+    assert set(draws) <= set(target), f"{params}: drew {sorted(set(draws) - set(target))}, outside the kept support"
     counts = [draws.count(t) for t in target]
     df = len(target) - 1
-    assert chi_square(counts, list(target.values())) < CHI2_CRIT_0_001[df]
+    assert chi_square(counts, list(target.values())) < CHI2_CRIT_0_001[df], (
+        f"{params}: 20,000 draws gave counts {dict(zip(target, counts))}, far from the probabilities "
+        f"{ {k: round(v, 4) for k, v in target.items()} } (chi-square at 0.1%)")
 
 
 @pytest.mark.task("L4.6")
@@ -179,7 +214,9 @@ def test_seeded_rows_are_batch_invariant():
         batch = torch.cat([noise[:1], mine[t:t + 1], noise[1:]])  # me in row 1 among a greedy and a sampled row
         out = sample(batch, [SamplingParams(), p, other_p], [None, g_me, g_other])
         crowded.append(out[1])
-    assert alone == crowded
+    first = next((t for t, (a, b) in enumerate(zip(alone, crowded)) if a != b), None)
+    assert first is None, (f"seeded row: token {first} is {crowded[first]} in a crowd, {alone[first]} alone: each "
+                           "sampled row draws from its own generator, whatever its row and neighbours")
 
 
 @pytest.mark.parametrize("kwargs, words", [

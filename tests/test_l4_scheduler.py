@@ -136,6 +136,9 @@ def test_kv_utilization_on_a_hand_computed_case():
     while engine.scheduler.has_work():
         engine.step()
     stats = engine.stats
-    assert (stats.tokens_held, stats.slots_reserved, stats.running) == ([4, 4, 5], [6, 4, 6], [2, 1, 1])
-    assert stats.utilization_mean == pytest.approx(2.5 / 3)
-    assert stats.utilization_at_peak == pytest.approx(4 / 6)
+    got = (stats.tokens_held, stats.slots_reserved, stats.running)
+    assert got == ([4, 4, 5], [6, 4, 6], [2, 1, 1]), (
+        f"per step (tokens held, slots reserved = allocated blocks x S, requests running): {got}; the hand count is "
+        "([4, 4, 5], [6, 4, 6], [2, 1, 1])")
+    assert stats.utilization_mean == pytest.approx(2.5 / 3), f"mean KV utilization {stats.utilization_mean}, want 2.5 / 3"
+    assert stats.utilization_at_peak == pytest.approx(4 / 6), f"utilization at the peak {stats.utilization_at_peak}, want 4 / 6"

@@ -11,6 +11,7 @@ from lessons.l4_continuous.sampling import SamplingParams, pick, sample_row
 from lessons.l4_continuous.scheduler import Scheduler
 from lessons.l4_continuous.sequence import Sequence, Status
 from lessons.l4_continuous.table_tensor import TableTensor
+from shared.errors import PoolExhausted
 from shared.generation import StopRule
 
 
@@ -145,7 +146,11 @@ def test_steps_by_hand_follow_the_doc_example():
     for step in range(1, 8):
         for s in arrivals.get(step, []):
             sched.add(s)
-        batch = sched.schedule()
+        try:
+            batch = sched.schedule()
+        except PoolExhausted:
+            pytest.fail(f"step {step}: schedule() found the pool empty ({runner.allocator.num_free} of 8 free) with "
+                        f"{done} finished so far: a finished request's blocks go back to the allocator at once")
         logits = runner.forward(batch)
         held.append({"ABCD"[s.seq_id]: len(s.blocks) for s in batch})
         finished = sched.postprocess(batch, logits.argmax(dim=-1).tolist())

@@ -245,6 +245,22 @@ MUTATIONS: list[Mutation] = [
     Mutation("global-rng", "sampling", "draw from the global RNG instead of the request's generator",
              SAMP, "torch.rand(1, generator=generator, device=generator.device)", "torch.rand(1, device=generator.device)",
              ("tests/test_l4_sampler.py",)),
+    Mutation("l4-no-max-shift", "sampling", "the row divided by the temperature without subtracting its max first: "
+             "large logits over a tiny temperature overflow to inf, and inf - inf is NaN (docs/l4_continuous.md, "
+             "exercise 3)",
+             SAMP, "scaled = (row - row.max()) / max(p.temperature, MIN_TEMPERATURE)",
+             "scaled = row / max(p.temperature, MIN_TEMPERATURE)",
+             ("tests/test_l4_sampler.py", "-k", "max_shifted or extreme")),
+    Mutation("l4-shared-generator", "sampling", "the step hands every sampled row one generator (the first sampled "
+             "request's): a request's tokens depend on its batch mates (docs/l4_continuous.md, exercise 4)",
+             "lessons/l4_continuous/engine.py", "[s.generator for s in batch])",
+             "[s.generator and next(g.generator for g in batch if g.generator) for s in batch])",
+             ("tests/test_l4_parity.py", "-k", "seeded")),
+    Mutation("hf-batch-one-max-new", "HF baseline", "the benchmark's HF row gives every request the longest "
+             "max_new_tokens, as generate_batch does (docs/l4_continuous.md, pitfall 1)",
+             "scripts/benchmark/bench_systems.py", "m.add_request(j.prompt_ids, max_new_tokens=j.new_tokens)",
+             "m.add_request(j.prompt_ids)",
+             ("tests/test_l4_parity.py::test_the_benchmarks_hf_row_gives_each_request_its_own_max_new_tokens",)),
     # --- L5: preemption, swap ---
     Mutation("l5-victim-oldest", "preemption", "evicts the oldest unplaced running request instead of the newest",
              L5S, "self.preempt(todo.pop())", "self.preempt(todo.popleft())", ("tests/test_l5_scheduler.py",)),
