@@ -248,11 +248,16 @@ def test_vocab_parallel_embedding_shards_add_up_exactly(tiny_model, tp):
         (out,) = g.partials
         mine = (ids >= vocab.start) & (ids < vocab.stop)
         assert mine.any() and (~mine).any()
-        assert torch.equal(out[mine], full.weight.data[ids[mine]])  # its own ids: the real rows
-        assert torch.equal(out[~mine], torch.zeros_like(out[~mine]))  # the others: zero rows, exactly
+        where = f"tp {tp}, rank {g.rank} (ids {vocab.start} .. {vocab.stop - 1})"
+        assert torch.equal(out[mine], full.weight.data[ids[mine]]), (
+            f"{where}: an id in the shard gives its own row of the table, weight[id - {vocab.start}]")
         # Unmasked, an id outside the shard would read the shard's row 0 (the clamped index), not zeros.
         assert full.weight.data[vocab.start].abs().sum() > 0
-    assert torch.equal(sum(g.partials[0] for g in groups), full.weight.data[ids])  # zeros + one real row
+        others = ids[~mine][(out[~mine] != 0).any(-1)].tolist()
+        assert not others, (f"{where}: ids outside the shard must give zero rows (mask, then zero, then sum), "
+                            f"but ids {others} gave nonzero rows")
+    assert torch.equal(sum(g.partials[0] for g in groups), full.weight.data[ids]), (
+        "the ranks' rows summed must be the full embedding: one real row and zeros for each id")
 
 
 @pytest.mark.task("L10.3")

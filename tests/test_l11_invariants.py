@@ -113,14 +113,18 @@ def record_plan(engine) -> list:
 
 def check_step(engine, seqs: list, plan: list) -> None:
     sched, alloc, S = engine.scheduler, engine.allocator, engine.block_size
-    assert max(engine.step_tokens[-1:], default=0) <= engine.max_batched_tokens
+    assert max(engine.step_tokens[-1:], default=0) <= engine.max_batched_tokens, (
+        f"the step fed {engine.step_tokens[-1]} tokens, over the budget of {engine.max_batched_tokens} (drafts count)")
     running = list(sched.running)
     sampled = {id(p.seq) for p in plan if p.samples}
     for seq in running:
         assert seq.status is Status.RUNNING
-        assert 0 <= seq.num_cached < seq.num_tokens, (seq.seq_id, seq.num_cached, seq.num_tokens)
+        assert 0 <= seq.num_cached < seq.num_tokens, (
+            f"request {seq.seq_id}: num_cached {seq.num_cached} of {seq.num_tokens} tokens (the last is never cached)")
         if id(seq) in sampled:  # a decode (with or without drafts) or a prompt's last slice
-            assert seq.num_cached == seq.num_tokens - 1, (seq.seq_id, seq.num_cached, seq.num_tokens)
+            assert seq.num_cached == seq.num_tokens - 1, (
+                f"request {seq.seq_id} sampled this step: num_cached {seq.num_cached}, want {seq.num_tokens - 1} "
+                f"(every committed token but the last; rejected drafts rolled back)")
         assert blocks_for(seq.num_cached, S) <= len(seq.blocks) <= blocks_for(seq.num_tokens, S), \
             (f"request {seq.seq_id}: {len(seq.blocks)} blocks for {seq.num_cached} cached of {seq.num_tokens} tokens "
              f"(blocks of {S})")
@@ -198,11 +202,14 @@ def run_checked(model, seed: int) -> dict:
     aborted = [s for s in seqs if s.extra.get("aborted")]
     for seq in seqs:
         if seq in aborted:
-            assert seq.output_ids == want[seq.seq_id][:len(seq.output_ids)], seq.seq_id
+            assert seq.output_ids == want[seq.seq_id][:len(seq.output_ids)], (
+                f"aborted request {seq.seq_id}: its output is not a prefix of L9's")
         else:
-            assert seq.output_ids == want[seq.seq_id], seq.seq_id
-    assert engine.allocator.num_free == engine.usable_blocks
-    assert [b for b, r in enumerate(engine.allocator.ref) if r] == [engine.dummy_block]
+            assert seq.output_ids == want[seq.seq_id], f"request {seq.seq_id}: its output is not L9's"
+    held = [b for b, r in enumerate(engine.allocator.ref) if r]
+    assert engine.allocator.num_free == engine.usable_blocks and held == [engine.dummy_block], (
+        f"at the end {engine.allocator.num_free} of {engine.usable_blocks} blocks are free or cached, and blocks "
+        f"{held} are held: only L7's dummy block {engine.dummy_block} should be (the rest leaked)")
     check_cached_kv(engine, model)
     return {"k": w["k"], "block_size": w["block_size"], "budget": w["budget"], "accepted": engine.spec.accepted,
             "rejected": engine.spec.drafted - engine.spec.accepted, "preemptions": engine.stats.preemptions,
@@ -213,6 +220,7 @@ def run_checked(model, seed: int) -> dict:
 RAN: dict[int, dict] = {}  # seed -> what its run exercised (filled by the per-seed tests)
 
 
+@pytest.mark.task("L11.7")
 @pytest.mark.parametrize("seed", SEEDS)
 def test_every_step_keeps_the_invariants(tiny_model, seed):
     RAN[seed] = run_checked(tiny_model, seed)

@@ -262,5 +262,8 @@ def test_one_hot_rule_draws_what_decoding_without_drafts_draws(name):
             plain.append(sample_row(LOGITS[j], params, b))
             if j == len(drafts) or plain[-1] != drafts[j]:
                 break
-        assert got == plain
-        assert torch.equal(a.get_state(), b.get_state())
+        assert got == plain, (f"{name}, seed {seed}, drafts {drafts}: the one-hot rule emitted {got}; L4's sampler "
+                              f"row by row with the same generator gives {plain}")
+        assert torch.equal(a.get_state(), b.get_state()), (
+            f"{name}, seed {seed}, drafts {drafts}: after emitting {got} the generator must be where {len(plain)} "
+            "single-token draws leave it (one uniform per emitted token, none for rows after a rejection)")
