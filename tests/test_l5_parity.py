@@ -20,7 +20,7 @@ def test_forced_preemption_keeps_parity(tiny_model, hf, prompt_ids, policy, host
     got = engine.generate_batch(prompt_ids, stop, stagger=1)
     assert got == [hf.generate(p, stop).tokens for p in prompt_ids]
     s = engine.stats
-    assert s.preemptions > 0
+    assert s.preemptions > 0, f"the pool of {n} blocks never ran dry: this test would prove nothing about L5"
     if policy == "swap" and host_blocks is None:
         assert s.swaps_out == s.swaps_in == s.preemptions  # the host pool always had room
     if policy == "recompute":

@@ -39,8 +39,10 @@ def check_arrival_order(engine) -> None:
     sched = engine.scheduler
     running = [s.seq_id for s in sched.running]
     queued = [s.seq_id for s in list(sched.waiting) + list(sched.swapped)]
-    assert running == sorted(running)
-    assert not running or not queued or max(running) < min(queued), (running, queued)
+    assert running == sorted(running), f"running {running}: requests run in arrival (seq_id) order"
+    assert not running or not queued or max(running) < min(queued), (
+        f"running {running}, queued {queued}: every running request arrived before every queued one, so the victim "
+        f"is always the newest running request (the last of `running`), never an older one")
 
 
 @pytest.mark.task("L5.4")
@@ -105,8 +107,12 @@ def test_the_victim_is_the_newest_running_request_not_the_next_in_line():
     c = engine.add_request([6], StopRule(6))
     engine.step()  # all three admitted, in order: the pool is full
     engine.step()
-    assert engine.stats.preemptions == 1
-    assert engine.scheduler.running == [a, b] and c.status is Status.WAITING
+    assert engine.stats.preemptions == 1, (
+        f"A's 5th token needs a 2nd block in a full pool: one preemption, got {engine.stats.preemptions}")
+    running = [s.seq_id for s in engine.scheduler.running]
+    assert running == [a.seq_id, b.seq_id] and c.status is Status.WAITING, (
+        f"A needs a block, B and C do not: the victim is C ({c.seq_id}), the newest running request, not B "
+        f"({b.seq_id}), the next in line after A; running {running}, C is {c.status.name}")
     while engine.scheduler.has_work():
         engine.step()
     assert [s.output_ids for s in (a, b, c)] == [reference([1, 2, 3, 4], 6), reference([5], 6), reference([6], 6)]

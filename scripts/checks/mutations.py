@@ -326,6 +326,17 @@ MUTATIONS: list[Mutation] = [
              L7R, "self.padded_rows + size - n", "self.padded_rows + (size > n)", L7_USER_SIZES),
     Mutation("l7-real-rows-padded", "graph stats", "real_rows counts the padded size, padding included",
              L7R, "self.real_rows + n,", "self.real_rows + size,", L7_USER_SIZES),
+    Mutation("l7-pad-repeats-row-0", "L7 padding", "padded rows repeat row 0 (its slot and pages), not the dummy "
+             "block: they write that request's next slot again (docs/l7_cuda_graphs.md, pitfall 2)",
+             "lessons/l7_cuda_graphs/static_buffers.py",
+             "            slots.append(dummy_block * block_size)\n"
+             "            tables.append(torch.tensor([dummy_block], dtype=torch.int32))\n"
+             "            indptr.append(indptr[-1] + 1)\n            last.append(1)\n",
+             "            slots.append(slots[0] if requests else dummy_block * block_size)\n"
+             "            tables.append(tables[0] if requests else torch.tensor([dummy_block], dtype=torch.int32))\n"
+             "            indptr.append(indptr[-1] + len(tables[-1]))\n            last.append(last[0] if requests else 1)\n",
+             ("tests/test_l7_tasks.py::test_fill_writes_the_rows_then_pads_into_the_dummy_block",
+              "tests/test_l7_graph_runner.py::test_padded_rows_write_only_the_dummy_block")),
     # --- the oracle itself (docs/maintainers.md tells this bug's story) ---
     Mutation("hf-no-mask", "HF reference", "HF generate called without an attention mask: it guesses one from "
              "pad_token_id 0, and token 0 is '!', so a prompt ending in '!' loses its last token",
@@ -362,14 +373,16 @@ MUTATIONS: list[Mutation] = [
              "self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)",
              "self.slot_mapping[: len(requests)].copy_(torch.tensor(slots[: len(requests)]), non_blocking=True)",
              ("tests/test_l7_graph_runner.py", "-k", "refilled or eight_rows")),
-    Mutation("l8-ex-sample-partial", "L8 exercise", "every slice gets a logits row and is sampled, a prompt's middle too",
-             "lessons/l8_chunked_prefill/runner.py",
-             "        if not s.samples:\n            continue\n",
-             "",
-             L8_BUDGETS,
-             more=(("lessons/l8_chunked_prefill/engine.py",
-                    "sampled = [piece.seq for piece in plan if piece.samples]",
-                    "sampled = [piece.seq for piece in plan]"),)),
+    Mutation("l8-ex-sample-partial", "L8 exercise", "every slice samples (Slice.samples is True): it gets a logits row "
+             "and a token, a prompt's middle too (docs/l8_chunked_prefill.md, pitfall 2 and the exercise)",
+             "lessons/l8_chunked_prefill/slice.py", "return self.num_tokens == self.seq.num_tokens", "return True",
+             L8_BUDGETS),
+    Mutation("l8-slice-whole-history", "L8 chunked prefill", "a slice's num_tokens is the whole request's, not its "
+             "end: it feeds and attends past the slice, over blocks not reserved for it (docs/l8_chunked_prefill.md, "
+             "pitfall 1)",
+             "lessons/l8_chunked_prefill/slice.py", "    def num_tokens(self) -> int:\n        return self.end",
+             "    def num_tokens(self) -> int:\n        return self.seq.num_tokens",
+             ("tests/test_l8_tasks.py::test_a_slice_is_the_request_cut_short",) + L8_BUDGETS),
     Mutation("l8-slice-before-hit", "L8 chunked prefill", "the first slice is sized before the prefix hit is applied",
              L8S, "n = self.slice_size(seq.num_tokens - cached)", "n = self.slice_size(seq.num_tokens)",
              ("tests/test_l8_parity.py", "-k", "fully_cached or identical")),
@@ -412,6 +425,18 @@ MUTATIONS: list[Mutation] = [
              "                    if event.text or event.finish_reason or (req.return_token_ids and event.token_ids):"
              "\n                        generated += len(event.token_ids)\n",
              ("tests/test_l9_streams.py::test_continuous_usage_counts_the_tokens_of_a_character_not_yet_shown",)),
+    Mutation("l9-step-on-event-loop", "L9 serving", "engine.step() runs on the event loop (as an async handler "
+             "calling it would): every client stalls for the length of a step (docs/l9_server.md, pitfall 3)",
+             "lessons/l9_server/engine_loop.py",
+             "                    self.engine.step()\n",
+             "                    async def step_on_the_event_loop():\n"
+             "                        self.engine.step()\n"
+             "                    loops = [job.subscriber.loop for job in self.jobs.values()]\n"
+             "                    if loops:\n"
+             "                        asyncio.run_coroutine_threadsafe(step_on_the_event_loop(), loops[0]).result()\n"
+             "                    else:\n"
+             "                        self.engine.step()\n",
+             ("tests/test_l9_streams.py::test_the_event_loop_answers_while_a_step_runs",)),
     # --- L10: tensor parallelism ---
     Mutation("l10-no-all-reduce", "L10 exercise", "a row-parallel linear returns its partial sum, never all-reduced "
              "(docs/l10_tensor_parallel.md, exercise)", "lessons/l10_tensor_parallel/layers.py",
@@ -549,6 +574,12 @@ MUTATIONS: list[Mutation] = [
              "grammar = await asyncio.wait_for(run_in_threadpool(self.compile, spec), COMPILE_TIMEOUT_S)",
              "grammar = await run_in_threadpool(self.compile, spec)",
              (f"{L13_SERVER}::test_a_compile_past_its_deadline_is_a_400_that_frees_everything",)),
+    Mutation("l13-json-free-whitespace", "L13 structured", "a JSON schema compiles with llguidance's default, free "
+             "whitespace between tokens: a weak model loops on spaces (docs/l13_structured_output.md, pitfalls)",
+             "lessons/l13_structured/grammar.py",
+             "grammar_from_json_schema(ecma_schema(spec.source), defaults=JSON_OPTIONS)",
+             "grammar_from_json_schema(ecma_schema(spec.source))",
+             ("tests/test_l13_tasks.py::test_grammar_text_of_each_kind_accepts_its_outputs_only",)),
     Mutation("l14-ex-gemv-row", "L14 batch invariance", "a one-row fast path in the invariant matmul sums its eight "
              "partial sums left to right instead of the tree: a row alone rounds unlike the same row in a tile "
              "(docs/l14_batch_invariant.md, exercise)", L14_OPS,
