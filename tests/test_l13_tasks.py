@@ -31,15 +31,16 @@ def test_ecma_regex_spells_out_what_ecma_262_means():
 
 ZIP = {"type": "object", "properties": {"zip": {"type": "string", "pattern": r"^\d{3}$"}}, "required": ["zip"],
        "additionalProperties": False}
-KINDS = [  # (spec, an output it accepts, one it refuses)
-    (GrammarSpec("json_schema", ZIP), '{"zip":"123"}', '{"zip": "123"}'),  # compact: no free whitespace
-    (GrammarSpec("json_schema", ZIP), '{"zip":"123"}', '{"zip":"١٢٣"}'),  # the pattern read as ECMA-262
-    (GrammarSpec("json_object"), '{"k":[1,{"z":null}]}', "[1]"),
-    (GrammarSpec("regex", r"\d{2}-[a-z]+"), "12-ab", "12-"),
-    (GrammarSpec("regex", r"\d{2}-[a-z]+"), "12-ab", "١٢-ab"),
-    (GrammarSpec("choice", ["yes", "no", "maybe not"]), "maybe not", "maybe"),
-    (GrammarSpec("grammar", 'start: "a" ("b" | "c")+'), "abcb", "ad"),  # Lark
-    (GrammarSpec("grammar", 'root ::= "a" [bc]+'), "abcb", "ad"),  # GBNF
+KINDS = [  # (spec, an output it accepts, one it refuses, why)
+    (GrammarSpec("json_schema", ZIP), '{"zip":"123"}', '{"zip": "123"}',
+     "JSON compiles without free whitespace (whitespace_flexible False): a weak model loops on spaces"),
+    (GrammarSpec("json_schema", ZIP), '{"zip":"123"}', '{"zip":"١٢٣"}', "the pattern is read as ECMA-262's \\d"),
+    (GrammarSpec("json_object"), '{"k":[1,{"z":null}]}', "[1]", "json_object is any object"),
+    (GrammarSpec("regex", r"\d{2}-[a-z]+"), "12-ab", "12-", "the whole regex must match"),
+    (GrammarSpec("regex", r"\d{2}-[a-z]+"), "12-ab", "١٢-ab", "\\d is ECMA-262's [0-9]"),
+    (GrammarSpec("choice", ["yes", "no", "maybe not"]), "maybe not", "maybe", "one of the choices, whole"),
+    (GrammarSpec("grammar", 'start: "a" ("b" | "c")+'), "abcb", "ad", "Lark"),
+    (GrammarSpec("grammar", 'root ::= "a" [bc]+'), "abcb", "ad", "GBNF"),
 ]
 
 
@@ -51,11 +52,11 @@ def test_grammar_text_of_each_kind_accepts_its_outputs_only(grammar_compiler, to
         assert not matcher.is_error(), f"llguidance cannot read the grammar text: {matcher.get_error()}"
         return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
 
-    for spec, good, bad in KINDS:
+    for spec, good, bad, why in KINDS:
         text = grammar_text(spec)
         assert isinstance(text, str), f"grammar_text({spec.kind}) should be llguidance's grammar text, got {text!r}"
-        assert accepts(good, text), f"{spec.kind} {spec.source!r} should accept {good!r}"
-        assert not accepts(bad, text), f"{spec.kind} {spec.source!r} should refuse {bad!r}"
+        assert accepts(good, text), f"{spec.kind} {spec.source!r} should accept {good!r} ({why})"
+        assert not accepts(bad, text), f"{spec.kind} {spec.source!r} should refuse {bad!r} ({why})"
     with pytest.raises(CourseError, match="unknown grammar kind"):
         grammar_text(GrammarSpec("xml", "<a/>"))
 
