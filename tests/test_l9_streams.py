@@ -302,6 +302,48 @@ def test_an_ignored_eos_at_max_tokens_finishes_with_length_over_http(tokenizer, 
     assert tokens == want, "six tokens, the last of them the EOS id"
 
 
+# --- the engine off the event loop ---
+
+
+def test_the_event_loop_answers_while_a_step_runs(tokenizer):
+    """The first step (a long prefill, made to take 2 s) runs while /health is asked every 50 ms: answers keep
+    coming throughout, the longest gap between two far shorter than the step. The step runs on the engine
+    thread; were engine.step() called on the event loop (in an async handler), every client would stall for
+    the whole step (docs/l9_server.md, pitfall 3)."""
+    loop = make_loop(tokenizer)
+    step, slow = loop.engine.step, []
+
+    def slow_first_step():
+        if not slow:
+            slow.append(time.monotonic())
+            time.sleep(2.0)
+            slow.append(time.monotonic())
+        return step()
+
+    loop.engine.step = slow_first_step
+    app = create_app(served(tokenizer), loop)
+
+    async def main():
+        request = Client({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
+        task = asyncio.create_task(request.call(app))
+        answers = [time.monotonic()]
+        while not task.done():
+            health = Client(None)
+            await health.call(app, "/health", "GET")
+            assert health.sent[0]["status"] == 200, health.sent[0]
+            answers.append(time.monotonic())
+            await asyncio.sleep(0.05)
+        await task
+        return request, answers
+
+    request, answers = run_with(loop, main)
+    assert len(slow) == 2 and request.sent[0]["status"] == 200, "the request and its slow step ran"
+    during = [b - a for a, b in zip(answers, answers[1:]) if b > slow[0] and a < slow[1]]
+    assert during and max(during) < 1.0, (
+        f"/health went {max(during):.2f} s without an answer while a 2 s step ran: the step blocked the event "
+        f"loop; engine.step() runs on the engine thread, never in an async handler")
+
+
 # --- fewer wake-ups and fewer writes (issue 28) ---
 
 

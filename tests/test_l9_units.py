@@ -115,9 +115,13 @@ def test_random_ids_stream_to_the_tokenizers_own_decode(tokenizer, token_bytes, 
                 ids.append(rng.randrange(151936))
         want = tokenizer.decode(ids, skip_special_tokens=True)
         one, held = stream(token_bytes, ids, itertools.repeat(1))
-        assert one == want, ids
-        assert stream(token_bytes, ids, iter(lambda: rng.randint(1, 5), None))[0] == want, ids
-        assert stream(token_bytes, ids, [len(ids) or 1])[0] == want, ids
+        assert one == want, (f"ids {ids} pushed one at a time give {one!r}, not decode's {want!r}: a token's bytes "
+                             "go through one incremental UTF-8 decoder, so a character split across tokens is "
+                             "held until its last byte comes, never decoded half on its own")
+        grouped = stream(token_bytes, ids, iter(lambda: rng.randint(1, 5), None))[0]
+        assert grouped == want, f"ids {ids} pushed in groups of 1-5 give {grouped!r}, not decode's {want!r}"
+        whole = stream(token_bytes, ids, [len(ids) or 1])[0]
+        assert whole == want, f"ids {ids} pushed all at once give {whole!r}, not decode's {want!r}"
         completed_splits += held and "\ufffd" not in want
     assert completed_splits > 20, completed_splits
 
@@ -146,7 +150,9 @@ def test_a_split_character_is_held_then_released_whole(tokenizer, token_bytes):
     ch, utf8 = text[3], text[3].encode()
     d = IncrementalDetokenizer(token_bytes)
     out = d.push(ids[:k])
-    assert out == "at " and d.held and utf8.startswith(d.held) and d.held != utf8, (out, d.held)
+    assert out == "at " and d.held and utf8.startswith(d.held) and d.held != utf8, (
+        f"push of {text!r}'s first {k} tokens released {out!r} and holds {d.held!r}: want 'at ' released and the "
+        f"first bytes of {ch!r} ({utf8!r}) held, since half a character is not text yet")
     for i in range(k, len(ids)):
         before = d.held
         got = d.push([ids[i]])
@@ -168,7 +174,7 @@ def test_an_unfinished_character_flushes_to_one_replacement_character(tokenizer,
     text, ids, k = find_split_character(tokenizer, token_bytes)
     d = IncrementalDetokenizer(token_bytes)
     got = d.push(ids[:k])
-    assert d.held
+    assert d.held, f"push of {text!r}'s first {k} tokens (half of {text[3]!r}) released {got!r} and holds nothing"
     got += d.flush()
     assert got == text[:3] + "\ufffd" == tokenizer.decode(ids[:k], skip_special_tokens=True)
     assert d.held == b"" and d.flush() == ""
@@ -270,7 +276,8 @@ def test_a_stop_string_cut_at_every_pair_of_points(text, stop):
     want = text if cut < 0 else text[:cut]
     for pieces in three_way_splits(text):
         got, m, held = run_matcher([stop], pieces)
-        assert got == want, pieces
+        assert got == want, (f"stop {stop!r}, text pushed as {pieces}: released {got!r}, want {want!r} (a suffix "
+                             "that could begin the stop string is held back, never released before it is decided)")
         assert m.stopped == (cut >= 0) and m.held == ""
         assert all(len(h) <= len(stop) - 1 and stop.startswith(h) for h in held), (pieces, held)
 
@@ -289,7 +296,8 @@ def test_the_earliest_of_several_stop_strings_wins_in_any_order():
 def test_nothing_after_a_stop_is_ever_released():
     """Once stopped: push returns "" for any piece, flush returns "", held stays empty."""
     m = StopStringMatcher(("STOP",))
-    assert m.push("abc ST") == "abc " and m.held == "ST"
+    got = m.push("abc ST")
+    assert got == "abc " and m.held == "ST", f"stop 'STOP': push('abc ST') released {got!r} and holds {m.held!r}"
     assert m.push("OP and more") == "" and m.stopped
     for piece in ("x", "STOP", "more text", ""):
         assert m.push(piece) == "" and m.held == ""
@@ -301,7 +309,8 @@ def test_flush_releases_a_held_partial_prefix():
     """Output ending on "EN" with stop "END": "EN" is held back, then flush() releases it as plain text;
     a second flush releases nothing."""
     m = StopStringMatcher(("END", "xyz"))
-    assert m.push("the EN") == "the " and m.held == "EN"
+    got = m.push("the EN")
+    assert got == "the " and m.held == "EN", f"stop 'END': push('the EN') released {got!r} and holds {m.held!r}"
     assert m.flush() == "EN" and not m.stopped
     assert m.flush() == ""
 
