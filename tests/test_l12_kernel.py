@@ -12,6 +12,12 @@ differ across a page and across heads, and a kernel that reads a wrong row's sca
 """
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -208,6 +214,30 @@ def test_int8_pages_are_read_in_place():
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         unpack_rows(k8)
     assert sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0) > history_k_bytes
+
+
+@needs_kernel
+def test_int8_codes_widen_to_fp32_with_vector_instructions():
+    """docs/l12_kv_quant.md's first pitfall. GCC 12 compiles the portable int8-to-fp32 widening (one
+    __builtin_convertvector) into eight scalar loads and converts (vcvtsi2ss): int8 decode attention took 2.9x
+    bf16's time. Where the build has AVX2, load8 sign-extends and converts with intrinsics, so the kernel's machine
+    code holds vpmovsxbd (eight bytes to eight int32 lanes, one instruction). The cause is checked, not a timing."""
+    library = Path(cpp_backend.load_kernel().__file__)
+    flags = next((f for f in cpp_backend.FLAGS if cpp_backend.library(cpp_backend.build_dir(f)) == library), None)
+    if platform.machine() not in ("x86_64", "AMD64") or flags is None or shutil.which("objdump") is None:
+        pytest.skip("needs an x86-64 build of the kernel from its cache, and objdump")
+    compiler = os.environ.get("CXX", "c++")
+    macros = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True,
+                            check=True, timeout=60).stdout
+    if "#define __AVX2__ 1" not in macros.splitlines():
+        pytest.skip(f"the kernel was built without AVX2 ({' '.join(flags)}): load8 takes its portable path")
+    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True,
+                          check=True, timeout=120).stdout
+    scalar = dump.count("vcvtsi2ss")
+    assert "vpmovsxbd" in dump, (
+        f"the kernel ({' '.join(flags)}, AVX2) holds no vpmovsxbd and {scalar} scalar int-to-float converts "
+        "(vcvtsi2ss): load8(const int8_t*) does not widen int8 codes with the AVX2 intrinsics, the path that "
+        "keeps int8 decode attention no slower than bf16's")
 
 
 @needs_kernel

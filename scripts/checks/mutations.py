@@ -533,6 +533,17 @@ MUTATIONS: list[Mutation] = [
     Mutation("l12-pool-writes-k-as-v", "L12 int8 KV", "the int8 pool writes the keys' packed rows into the value pages",
              "lessons/l12_kv_quant/kv_pool.py", "[slot_mapping] = pack_rows(v)", "[slot_mapping] = pack_rows(k)",
              ("tests/test_l12_quality.py::test_the_contract_holds_on_the_embedded_model",)),
+    Mutation("l12-int8-widening-portable", "L12 int8 KV", "load8(int8) widens with the portable "
+             "__builtin_convertvector on every CPU: GCC 12 makes it eight scalar converts, int8 decode attention 2.9x "
+             "bf16's time (docs/l12_kv_quant.md, pitfalls)", CPP,
+             "inline f32x8 load8(const int8_t* p) {\n#if defined(__AVX2__)\n",
+             "inline f32x8 load8(const int8_t* p) {\n#if 0  // the portable form on every CPU\n",
+             ("tests/test_l12_kernel.py::test_int8_codes_widen_to_fp32_with_vector_instructions",)),
+    Mutation("l12-smoke-int8-by-parity", "L12 smoke", "the smoke judges int8 pages by HF parity, as --kv-dtype auto: "
+             "a near-tie flips and it 'fails' at prompt 6's fifth token (docs/l12_kv_quant.md, pitfalls)",
+             "scripts/l12_smoke.py", "    if args.kv_dtype == \"auto\":\n        return run_smoke(",
+             "    if args.kv_dtype in (\"auto\", \"int8\"):\n        return run_smoke(",
+             ("tests/test_l12_smoke.py::test_no_arguments_is_int8_and_the_contract_holds",)),
     # --- L13: structured output ---
     Mutation("l12-kl-reversed", "L12 quality", "the quality measure computes KL(P_test || P_ref), the reverse of what "
              "the doc and llama.cpp's tool state", "lessons/l12_kv_quant/quality.py",
