@@ -234,3 +234,13 @@ def test_each_lesson_doc_holds_its_generated_tasks_section(lesson):
     section = markdown(lesson)
     assert section in text, f"{doc.name}: paste `python scripts/course.py tasks L{lesson} --markdown` as its Tasks section"
     assert text.index(section) < text.rindex("\n## The smoke"), f"{doc.name}: Tasks comes before The smoke"
+
+
+@pytest.mark.parametrize("lesson", LESSONS[:-1], ids=lambda n: f"L{n}")
+def test_each_lesson_doc_ends_linking_the_next_lesson(lesson):
+    from course import doc_for
+
+    text = doc_for(lesson).read_text()
+    last = text[text.rindex("\n## "):]
+    assert f"**Next:** [L{lesson + 1}]({doc_for(lesson + 1).name})" in last, (
+        f"{doc_for(lesson).name} does not end with a **Next:** line linking L{lesson + 1}'s doc")
