@@ -28,19 +28,25 @@ def bits(x: float) -> int:
 @pytest.mark.task("L14.1")
 def test_first_difference_names_the_output_the_token_and_the_bit():
     a = torch.zeros(3, 5)
-    assert first_difference(a, a.clone()) is None
+    assert first_difference(a, a.clone()) is None, "two equal records have no first difference: None"
     b = a.clone()
     b[1, 3] = torch.tensor(bits(1.0) + 1, dtype=torch.int32).view(torch.float32)  # 1.0 and the next float up
     a[1, 3] = 1.0
     said = first_difference(a, b)
-    assert said.startswith("output 1, token 3: 1.0 (0x3f800000)") and "mantissa bit 0" in said
-    assert "1 of 3 rows differ" in said
+    assert said is not None, ("output 1, token 3 holds 1.0 (0x3f800000) against the next float up (0x3f800001): "
+                              "one bit apart is a difference (compare the bits, not the values within a tolerance)")
+    assert said.startswith("output 1, token 3: 1.0 (0x3f800000)") and "mantissa bit 0" in said, (
+        f"name the output, the token, both values with their bits and the highest differing bit; got {said!r}")
+    assert "1 of 3 rows differ" in said, f"say how many rows differ (1 of 3); got {said!r}"
     a[2, 0], b[2, 0] = 2.0, -2.0
-    assert "output 1, token 3" in first_difference(a, b)  # the first in order, not the largest
-    assert "the sign" in first_difference(a[2:], b[2:])
-    assert "shapes differ" in first_difference(a, b[:2])
+    said = first_difference(a, b)
+    assert said is not None and "output 1, token 3" in said, f"the first difference in order, not the largest: {said!r}"
+    said = first_difference(a[2:], b[2:])
+    assert said is not None and "the sign" in said, f"2.0 against -2.0 differ in the sign bit; got {said!r}"
+    said = first_difference(a, b[:2])
+    assert said is not None and "shapes differ" in said, f"3 outputs against 2: the shapes differ; got {said!r}"
     zero, negative_zero = torch.zeros(1, 1), torch.tensor([[-0.0]])
-    assert first_difference(zero, negative_zero) is not None  # equal as numbers, not as bits
+    assert first_difference(zero, negative_zero) is not None, "0.0 and -0.0 are equal as numbers, not as bits"
 
 
 @pytest.mark.task("L14.1")
@@ -51,9 +57,12 @@ def test_the_record_keeps_the_row_each_output_token_was_chosen_from(tiny_model, 
                        num_speculative_tokens=3)
     got = run_recorded(engine, prompt_ids, StopRule(12, ignore_eos=True), keep=3)
     assert len(got.logits) == 3 and engine.spec.drafted > engine.spec.accepted > 0
-    for tokens, rows in zip(got.tokens, got.logits):
-        assert rows.shape == (12, tiny_model.config.vocab_size) and rows.dtype == torch.float32
-        assert rows.argmax(-1).tolist() == tokens
+    for i, (tokens, rows) in enumerate(zip(got.tokens, got.logits)):
+        assert rows.shape == (12, tiny_model.config.vocab_size) and rows.dtype == torch.float32, (
+            f"request {i}: one fp32 row per output token, [12, vocab]; got {rows.dtype} {list(rows.shape)}")
+        wrong = [j for j, (row, token) in enumerate(zip(rows.argmax(-1).tolist(), tokens)) if row != token]
+        assert not wrong, (f"request {i}: greedy, output token j is the argmax of its row, but not at outputs {wrong}: "
+                           "a verify row past a rejected draft saw that draft, and stands for no output token")
 
 
 @needs_ops

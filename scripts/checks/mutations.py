@@ -617,4 +617,28 @@ MUTATIONS: list[Mutation] = [
              'if isinstance(child, nn.Linear) and name != "lm_head":',
              ("tests/test_l14_invariance.py::test_needle_alone_equals_needle_among_64_fillers_anywhere",
               "tests/test_l14_tasks.py::test_the_twin_shares_every_weight_and_leaves_the_model_alone")),
+    Mutation("l14-walkthrough-hook-returns", "L14 batch invariance", "the walkthrough's forward hook is a lambda that "
+             "returns the row it stored: PyTorch replaces the module's output with it, and layer 0 crashes "
+             "(docs/l14_batch_invariant.md, pitfalls)", "scripts/l14_walkthrough.py",
+             "        def hook(module, args, out=None) -> None:\n"
+             "            rows.setdefault(name, (args[0] if out is None else out)[row].float().flatten().clone())\n"
+             "        return hook\n",
+             "        return lambda module, args, out=None: rows.setdefault(\n"
+             "            name, (args[0] if out is None else out)[row].float().flatten().clone())\n",
+             ("tests/test_l14_walkthrough.py",)),
+    Mutation("l14-first-difference-tolerance", "L14 batch invariance", "first_difference compares the records within "
+             "a tolerance (torch.isclose): rows a few units in the last place apart pass as the same "
+             "(docs/l14_batch_invariant.md, pitfalls)", "lessons/l14_batch_invariant/record.py",
+             "differs = (a.view(torch.int32) != b.view(torch.int32)).nonzero()",
+             "differs = (~torch.isclose(a, b)).nonzero()",
+             ("tests/test_l14_tasks.py::test_first_difference_names_the_output_the_token_and_the_bit",)),
+    Mutation("l14-record-every-verify-row", "L14 batch invariance", "the record keeps every row of a verify group, "
+             "each output index's first: a row past a rejected draft (it saw the draft) stands for the token the next "
+             "step chose (docs/l14_batch_invariant.md, pitfalls; keeping every row with later rows overwriting is "
+             "harmless)", "lessons/l14_batch_invariant/record.py",
+             "                for j, row in enumerate(copy[:len(tokens)]):\n"
+             "                    self.rows.setdefault(seq.seq_id, {})[len(seq.output_ids) + j] = row\n",
+             "                for j, row in enumerate(copy):  # every row of the group\n"
+             "                    self.rows.setdefault(seq.seq_id, {}).setdefault(len(seq.output_ids) + j, row)\n",
+             ("tests/test_l14_tasks.py::test_the_record_keeps_the_row_each_output_token_was_chosen_from",)),
 ]
