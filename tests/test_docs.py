@@ -82,8 +82,9 @@ READING_FIELD = re.compile(r"\*\*Reading time:\*\* about (\d+) minutes? \(([\d,]
 
 def reading_words(doc: Path) -> int:
     """The words a learner reads in the sitting: the doc without its Tasks section, a worksheet generated from the
-    code (`scripts/course.py tasks LN --markdown`) and worked through over an evening, not read."""
-    text = doc.read_text()
+    code (`scripts/course.py tasks LN --markdown`) and worked through over an evening, not read; nor the HTML
+    comments (quote, numbers and mutation markers), which a reader never sees."""
+    text = re.sub(r"<!--.*?-->", " ", doc.read_text(), flags=re.S)
     start = text.find("\n## Tasks: build it yourself")
     if start >= 0:
         text = text[:start] + text[text.index("\n## ", start + 1):]
