@@ -115,7 +115,7 @@ KERNELS = {3: ("lessons.l3_block_tensor.backends.cpp_backend", "load_kernel", "L
            14: ("lessons.l14_batch_invariant.ops", "load_ops", "L14's C++ ops")}
 
 
-def build_kernels(workspace: Path, lesson: int) -> None:
+def build_kernels(workspace: Path, lesson: int, quiet_below: float = 5) -> None:
     """Build (or load) the C++ kernels the lesson's tests use before they run, saying so, since a build takes about a
     minute and `check` would otherwise sit silent. Its own line says when a build starts; this one how long it took."""
     for first, (module, function, name) in KERNELS.items():
@@ -128,7 +128,7 @@ def build_kernels(workspace: Path, lesson: int) -> None:
         env = {**os.environ, "PYTHONPATH": str(workspace)}
         subprocess.run([sys.executable, "-c", code], cwd=workspace, env=env, stdout=subprocess.DEVNULL, timeout=900)
         seconds = time.monotonic() - began
-        if seconds > 5:
+        if seconds > quiet_below:  # a load of a finished build (a second) needs no word
             print(f"{name}: ready in {seconds:.0f} s (built once per cache folder; later checks load it in a second)",
                   file=sys.stderr, flush=True)
 

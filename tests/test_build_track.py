@@ -244,3 +244,27 @@ def test_each_lesson_doc_ends_linking_the_next_lesson(lesson):
     last = text[text.rindex("\n## "):]
     assert f"**Next:** [L{lesson + 1}]({doc_for(lesson + 1).name})" in last, (
         f"{doc_for(lesson).name} does not end with a **Next:** line linking L{lesson + 1}'s doc")
+
+
+@pytest.mark.parametrize("builds", [True, False], ids=["builds", "cannot"])
+def test_check_says_when_a_kernel_build_starts_and_how_long_it_took(builds, tmp_path, capfd):
+    """Before the task tests, `check` builds the kernels a lesson from L3 on uses, in the workspace, with the
+    builder's own line when it starts and one when it is ready (or why it cannot build): a learner's first L4
+    check otherwise sat a silent minute. A stand-in for L3's builder keeps this fast."""
+    from course import build_kernels
+
+    backends = tmp_path / "lessons" / "l3_block_tensor" / "backends"
+    backends.mkdir(parents=True)
+    for folder in (tmp_path / "lessons", backends.parent, backends):
+        (folder / "__init__.py").write_text("")
+    (backends / "cpp_backend.py").write_text(
+        "import sys\nclass KernelUnavailable(Exception):\n    pass\ndef load_kernel():\n"
+        "    print('building the C++ kernel stand-in (once; about a minute)', file=sys.stderr)\n"
+        + ("    return None\n" if builds else "    raise KernelUnavailable('no C++ compiler (c++) on PATH')\n"))
+    build_kernels(tmp_path, 4, quiet_below=0)
+    said = capfd.readouterr().err
+    assert "building the C++ kernel stand-in" in said, said
+    if builds:
+        assert "L3's C++ attention kernel: ready in " in said, said
+    else:
+        assert "note: L3's C++ attention kernel is unavailable (no C++ compiler (c++) on PATH); its tests skip" in said, said
