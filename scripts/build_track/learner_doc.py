@@ -4,8 +4,8 @@ contract, so that a learner who reads the doc beside a workspace meets what to b
 A quote (`<!-- quote: path:START-END -->` and its fenced block) keeps its lines outside the lesson's task bodies
 (signatures, docstrings, fields); each task body inside it becomes `...  # task LN.K: yours`, and the block is
 followed by the contract of each task it touched: the functions and their docstrings' first lines, the exceptions
-and messages the reference raises (with `{...}` for the values), what its tests check (their names), and the
-mistakes they are known to catch (the mutations planted in that task's code). A fenced block without a quote marker
+and messages the reference raises (with `{...}` for the values), what its tests check (their names), and mistakes
+to watch for (the mutations scripts/checks/mutations.py plants in that task's code). A fenced block without a quote marker
 that holds a line of a task body (a sketch) is replaced by a pointer to the contract.
 """
 from __future__ import annotations
@@ -150,7 +150,8 @@ def contract(root: Path, task: Task) -> str:
     names = [t.split("::")[-1].removeprefix("test_").replace("_", " ") for t in task.tests]
     out.append("> - its tests check: " + "; ".join(dict.fromkeys(names)))
     if mistakes := _known_mistakes(root, task):
-        out.append("> - mistakes they catch (hints): " + "; ".join(mistakes[:4]))
+        out.append("> - mistakes to watch for (hints; each is planted by the course's mutation check): "
+                   + "; ".join(mistakes[:4]))
     return "\n".join(out)
 
 
