@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "scripts")]
-from build_track.learner_doc import body_lines, normalized  # noqa: E402
+from build_track.learner_doc import body_lines, code_of  # noqa: E402
 from build_track.tasks import lesson_tasks, lessons  # noqa: E402
 from build_track.workspace import start  # noqa: E402
 
@@ -37,12 +37,12 @@ def test_no_workspace_doc_shows_a_task_body(lesson, workspaces):
     for doc in docs:
         for fence in re.findall(r"^```[^\n]*\n(.*?)^```", doc.read_text(), re.M | re.S):
             for line in fence.splitlines():
-                code = normalized(line.split("  #")[0])
+                code = code_of(line)
                 assert code not in hidden, (f"{doc.name} in L{lesson}'s workspace shows task "
                                             f"L{lesson}.{hidden.get(code)}'s line `{code}`")
     reference = next(p for p in (ROOT / "docs").glob(f"l{lesson}_*.md") if not p.stem.endswith("_appendix"))
     if "<!-- quote:" in reference.read_text():  # the check above can fail: the reference doc shows task bodies
-        shown = {normalized(line.split("  #")[0]) for line in reference.read_text().splitlines()}
+        shown = {code_of(line) for line in reference.read_text().splitlines()}
         assert shown & set(hidden) or lesson not in (2, 4), f"{reference.name} quotes no task body any more"
 
 
@@ -73,13 +73,9 @@ def _required(test_source: str) -> tuple[set[str], set[str]]:
                     messages.add(text)
     asserts = [line for node in ast.walk(tree) if isinstance(node, ast.Assert) and "dtype" in (line := ast.unparse(node))]
     given = DTYPE.findall(re.sub(r"^\s*assert .*$", "", test_source, flags=re.M))  # a dtype the test passes in
-    raised = {_plain(n.exc) for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None}
+    raised = {ast.unparse(n.exc) for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None}
     return {m for m in messages if not any(m in r for r in raised)}, {
         d for line in asserts for d in DTYPE.findall(line) if d not in given}
-
-
-def _plain(node: ast.AST) -> str:
-    return ast.unparse(node)
 
 
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -145,28 +145,26 @@ def number(s: str) -> float:
     return float(s.replace(",", ""))
 
 
+def assert_reading_time(what: str, words: float, hours: float, rate: int, docs: list[Path]) -> None:
+    counted = sum(reading_words(d) for d in docs)
+    assert abs(words - counted) <= 1000, (f"{README.name} says {what} are about {words:,.0f} words; they are "
+                                          f"{counted:,} (Tasks sections aside, as the cards count)")
+    assert abs(hours - counted / rate / 60) <= 0.25, (
+        f"{README.name} says {what} take about {hours} hours; {counted:,} words at {rate} a minute is "
+        f"{counted / rate / 60:.2f} hours")
+
+
 def test_the_reading_time_is_the_docs_words_at_the_cards_rate():
     m = stated(r"lesson docs[^.]*? about ([\d,]+) words, about ([\d.]+) hours at (\d+) words a minute",
                "the lesson docs' reading time ('lesson docs ... about W words, about H hours at R words a minute')")
-    words, hours, rate = number(m.group(1)), number(m.group(2)), int(m.group(3))
+    rate = int(m.group(3))
     assert rate == READING_WORDS_PER_MINUTE, (
         f"{README.name} reads at {rate} words a minute; the lesson cards' reading times use "
         f"{READING_WORDS_PER_MINUTE} (tests/test_docs.py)")
-    counted = sum(reading_words(d) for d in LESSONS)
-    assert abs(words - counted) <= 1000, (f"{README.name} says the lesson docs are about {words:,.0f} words; they are "
-                                          f"{counted:,} (Tasks sections aside, as the cards count)")
-    assert abs(hours - counted / rate / 60) <= 0.25, (
-        f"{README.name} says about {hours} hours; {counted:,} words at {rate} a minute is "
-        f"{counted / rate / 60:.2f} hours")
+    assert_reading_time("the lesson docs", number(m.group(1)), number(m.group(2)), rate, LESSONS)
     m = stated(r"appendices[^.]*? about ([\d,]+) words more, about ([\d.]+) hours",
                "the appendices' reading time ('appendices ... about W words more, about H hours')")
-    words, hours = number(m.group(1)), number(m.group(2))
-    counted = sum(reading_words(d) for d in APPENDICES)
-    assert abs(words - counted) <= 1000, (f"{README.name} says the appendices are about {words:,.0f} words; they are "
-                                          f"{counted:,}")
-    assert abs(hours - counted / rate / 60) <= 0.25, (
-        f"{README.name} says the appendices take about {hours} hours; {counted:,} words at {rate} a minute is "
-        f"{counted / rate / 60:.2f} hours")
+    assert_reading_time("the appendices", number(m.group(1)), number(m.group(2)), rate, APPENDICES)
 
 
 def test_the_task_count_is_the_build_tracks():

@@ -13,10 +13,9 @@ from __future__ import annotations
 import ast
 import functools
 import re
-import sys
 from pathlib import Path
 
-from build_track.planted import owner
+from build_track.planted import mutations, owner
 from build_track.tasks import Task, lesson_tasks, marked_functions
 
 QUOTE = re.compile(r"^<!-- quote: (\S+?):(\d+)-(\d+) -->\n```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -25,8 +24,9 @@ DOC_LESSON = re.compile(r"^l(\d+)_")
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
-def normalized(line: str) -> str:
-    return " ".join(line.split())
+def code_of(line: str) -> str:
+    """A line of code as compared: its trailing comment dropped, its whitespace normalized."""
+    return " ".join(line.split("  #")[0].split())
 
 
 def body_ranges(root: Path, lesson: int) -> dict[str, list[tuple[int, int, int]]]:
@@ -50,15 +50,15 @@ def body_lines(root: Path, lesson: int) -> dict[str, int]:
     """Every line a learner writes for `lesson`'s tasks, normalized, that says something of its own (not `else:`,
     `return out`, a bracket) and that the workspace's finished code (the lessons below, shared/) does not already
     hold: {line: task}. What no learner's-edition doc may show."""
-    given = {normalized(line.split("  #")[0]) for folder in [root / "shared", *(root / "lessons").glob("l*_*")]
-             if folder.is_dir() and not (DOC_LESSON.match(folder.name) and int(folder.name[1:].split("_")[0]) >= lesson)
-             for path in folder.rglob("*.py") for line in path.read_text().splitlines()}
+    below = [f for f in (root / "lessons").iterdir() if (m := DOC_LESSON.match(f.name)) and int(m.group(1)) < lesson]
+    given = {code_of(line) for folder in [root / "shared", *below] for path in folder.rglob("*.py")
+             for line in path.read_text().splitlines()}
     found = {}
     for path, spans in body_ranges(root, lesson).items():
         lines = (root / path).read_text().splitlines()
         for first, last, task in spans:
             for line in lines[first - 1 : last]:
-                code = normalized(line.split("  #")[0])
+                code = code_of(line)
                 if len(code) >= 16 and not code.startswith("#") and code not in given:
                     found.setdefault(code, task)
     return found
@@ -100,13 +100,8 @@ def _docstring_head(root: Path, path: str, qualname: str) -> str:
 @functools.lru_cache(maxsize=4)
 def _owned_mutations(root: Path) -> dict[tuple[int, int], list[str]]:
     """(lesson, task) -> the descriptions of the mutations planted in that task's code alone."""
-    checks = str(Path(__file__).resolve().parents[1] / "checks")
-    if checks not in sys.path:
-        sys.path.insert(0, checks)
-    from mutations import MUTATIONS
-
     owned: dict[tuple[int, int], list[str]] = {}
-    for m in MUTATIONS:
+    for m in mutations()[0].values():
         owners = {owner(root, f, old) for f, old, _new in m.edits()}
         if len(owners) == 1 and None not in owners:
             owned.setdefault(owners.pop(), []).append(m.description)
@@ -125,7 +120,7 @@ def _fields_built(root: Path, path: str, qualname: str) -> list[str]:
             fn = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method), None)
             if fn is None or fn.returns is None or cls_name.split(".")[-1] not in ast.unparse(fn.returns):
                 return []
-            return [f"`{normalized(lines[n.lineno - 1])}`" for n in node.body if isinstance(n, ast.AnnAssign)]
+            return [f"`{' '.join(lines[n.lineno - 1].split())}`" for n in node.body if isinstance(n, ast.AnnAssign)]
     return []
 
 
@@ -182,7 +177,7 @@ def learners_edition(root: Path, lesson: int, text: str) -> str:
     text = QUOTE.sub(quoted, text)
 
     def sketch(m: re.Match) -> str:
-        leaked = sorted({hidden[c] for line in m.group(2).splitlines() if (c := normalized(line.split("  #")[0]))
+        leaked = sorted({hidden[c] for line in m.group(2).splitlines() if (c := code_of(line))
                          in hidden})
         if not leaked:
             return m.group(0)

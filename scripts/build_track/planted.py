@@ -78,7 +78,8 @@ def in_learners_terms(message: str) -> bool:
     return bool(said.strip()) and not re.match(r"assert |DID NOT RAISE|Tensor-likes are not|Scalars are not", said)
 
 
-def _mutations():
+def mutations():
+    """({id: Mutation}, plant) from scripts/checks/mutations.py."""
     checks = str(Path(__file__).resolve().parents[1] / "checks")
     if checks not in sys.path:
         sys.path.insert(0, checks)
@@ -94,7 +95,7 @@ def verify_planted(root: Path, lesson: int, doc: Path, timeout: float = 600) -> 
 
     from build_track.workspace import run_pytest, run_tests, start
 
-    known, plant = _mutations()
+    known, plant = mutations()
     problems, report = [], []
     items = doc_items(doc.read_text())
     for item in items:
