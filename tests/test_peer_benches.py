@@ -72,7 +72,8 @@ def test_the_new_peers_serve_on_loopback_with_their_documented_options(monkeypat
     args = l9_bench.parser().parse_args(["--peer", "vllm", "--vllm-python", "/venv/bin/python", "--quick"])
     args.startup_timeout = 1.0
     server = l9_bench.vllm_server(args, tmp_path, "float32")
-    assert server.cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
+    assert server.cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                              str(tmp_path)]
     cmd = " ".join(server.cmd)
     assert "--dtype float32 --max-model-len 2048 --host 127.0.0.1" in cmd and server.label == "vLLM"
     assert server.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and server.env["OMP_NUM_THREADS"] == "1"

