@@ -111,8 +111,9 @@ def cmd_start(args) -> int:
     return 0
 
 
-KERNELS = {3: ("lessons.l3_block_tensor.backends.cpp_backend", "load_kernel", "L3's C++ attention kernel"),
-           14: ("lessons.l14_batch_invariant.ops", "load_ops", "L14's C++ ops")}
+# lesson from which on -> (module, its loader, what it is); each module also names KernelUnavailable
+KERNELS = {1: ("shared.cpu_ops", "load_ops", "the C++ decode ops"),  # every model's CPU matmul, norms, RoPE; L14's too
+           3: ("lessons.l3_block_tensor.backends.cpp_backend", "load_kernel", "L3's C++ attention kernel")}
 
 
 def build_kernels(workspace: Path, lesson: int, quiet_below: float = 5) -> None:
@@ -122,8 +123,8 @@ def build_kernels(workspace: Path, lesson: int, quiet_below: float = 5) -> None:
         if lesson < first:
             continue
         began = time.monotonic()
-        code = (f"import sys\nfrom {module} import {function}\nfrom lessons.l3_block_tensor.backends.cpp_backend "
-                f"import KernelUnavailable\ntry:\n    {function}()\nexcept KernelUnavailable as e:\n"
+        code = (f"import sys\nfrom {module} import {function}, KernelUnavailable\ntry:\n    {function}()\n"
+                f"except KernelUnavailable as e:\n"
                 f"    print('note:', {name!r}, f'is unavailable ({{e}}); its tests skip', file=sys.stderr)")
         env = {**os.environ, "PYTHONPATH": str(workspace)}
         subprocess.run([sys.executable, "-c", code], cwd=workspace, env=env, stdout=subprocess.DEVNULL, timeout=900)

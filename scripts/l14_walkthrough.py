@@ -4,7 +4,7 @@ op whose output for that row differs, and the first differing bit.
     python scripts/l14_walkthrough.py [--crowd N] [--model smollm2]
 
 A prompt is prefilled and decoded through L14Engine (graphs off, so a step computes exactly its rows), once alone
-and once beside N other requests (default 8) that decode with it. At its third decode step every module's output
+and once beside N other requests (default 16) that decode with it. At its third decode step every module's output
 row for that request is kept (forward hooks on the model's modules, in the order they run; attention is the
 input of each layer's o_proj). The two traces are compared op by op: the default mode, then the batch-invariant
 mode. docs/l14_batch_invariant.md shows this output, and the doc's test reruns it.
@@ -35,7 +35,8 @@ TRACED_STEP = 2  # the decode that chooses output index 2: the request has decod
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="l14_walkthrough.py", description=__doc__.splitlines()[0])
-    p.add_argument("--crowd", type=int, default=8, help="other requests decoding beside it (default: 8)")
+    p.add_argument("--crowd", type=int, default=16, help="other requests decoding beside it (default: 16: 17 rows, past "
+                   "the few-row matmul's 16, so the default mode's matmuls are torch's in the crowd)")
     p.add_argument("--model", help="a checkpoint directory or a named model (smollm2); default: the embedded model")
     p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines) here; "
                                                  "python scripts/pool_viewer.py --trace FILE draws it")

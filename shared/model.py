@@ -15,7 +15,7 @@ from torch import nn
 from shared.checkpoint import load_state_dict, tensor_shapes
 from shared.config import Qwen3Config
 from shared.errors import CourseError
-from shared.layers import MLP, RMSNorm, RotaryEmbedding
+from shared.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # one step's cos and signed sin, [T, 1, D] each (RotaryEmbedding.tables)
@@ -35,10 +35,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, layer: int):
         super().__init__()
         self.layer, self.hq, self.hkv, self.d = layer, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.hq * self.d)
+        self.k_proj = Linear(cfg.hidden_size, self.hkv * self.d)
+        self.v_proj = Linear(cfg.hidden_size, self.hkv * self.d)
+        self.o_proj = Linear(self.hq * self.d, cfg.hidden_size)
         if cfg.qk_norm:  # per-head norms: Qwen3's addition over Qwen2 and Llama
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -87,7 +87,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KvAttention, meta: Any) -> torch.Tensor:

@@ -35,25 +35,25 @@ PROMPTS = [
 
 # Test files whose engines never reach L3's kernel: a learner running L1's or L2's tests does not wait for its build.
 NO_KERNEL = {"test_l1_l2_parity.py", "test_l1_tasks.py", "test_tiny_model.py", "test_l2_allocator.py", "test_l2_reserve.py",
-             "test_l2_tasks.py"}
+             "test_l2_tasks.py", "test_cpu_ops.py"}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def cpp_kernel_built(request) -> None:
-    """Build L3's C++ attention kernel (about a minute, once per cache) before the first test, so no test, and
-    no smoke or server a test starts under a timeout, pays for the build. Where it cannot build, `auto` takes
-    the batched backend and the kernel's own tests skip, saying why. Skipped when every collected test is
-    L1's or L2's. With L14's tests collected its ops build too (half a minute): under xdist the second worker
-    builds them while the first builds the kernel, then each loads the other's build."""
-    if all(item.path.name in NO_KERNEL for item in request.session.items):
-        return
-    from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable, load_kernel
+    """Build the C++ decode ops every model uses on the CPU (shared/cpu_ops.cpp, half a minute) and L3's attention
+    kernel (about a minute), once per cache, before the first test, so no test, and no smoke or server a test
+    starts under a timeout, pays for a build. Where one cannot build, torch runs instead (`auto` takes the
+    batched backend) and its own tests skip, saying why. L3's kernel is skipped when every collected test is L1's
+    or L2's. Under xdist the second worker builds the ops while the first builds the kernel, then each loads the
+    other's build."""
+    from shared.cpu_ops import load_ops
+    from shared.kernel_build import KernelUnavailable
 
-    builds = [load_kernel]
-    if any(item.path.name.startswith("test_l14") for item in request.session.items):
-        from lessons.l14_batch_invariant.ops import load_ops
+    builds = [load_ops]
+    if not all(item.path.name in NO_KERNEL for item in request.session.items):
+        from lessons.l3_block_tensor.backends.cpp_backend import load_kernel
 
-        builds.append(load_ops)
+        builds.insert(0, load_kernel)
         if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
             builds.reverse()
     for build in builds:
@@ -66,8 +66,8 @@ def cpp_kernel_built(request) -> None:
 @pytest.fixture(scope="session")
 def l14_ops():
     """L14's compiled ops, or a skip saying why they cannot build here."""
-    from lessons.l3_block_tensor.backends.cpp_backend import KernelUnavailable
     from lessons.l14_batch_invariant.ops import load_ops
+    from shared.kernel_build import KernelUnavailable
 
     try:
         return load_ops()

@@ -27,6 +27,7 @@ from lessons.l3_block_tensor.backends.torch_backend import history_slots
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from lessons.l12_kv_quant.backends import DequantTorchBackend
 from lessons.l12_kv_quant.quantize import SCALE_BYTES, pack_rows, unpack_rows
+from shared import kernel_build
 from test_l3_cpp_backend import FP32_TOL, MIXED, ODD_HEAD_DIMS, batch, needs_kernel, run
 
 # Columns of a plan's work item that say which KV-head chunk it is (tests/test_l3_cpp_plan.py names them all).
@@ -223,7 +224,7 @@ def test_int8_codes_widen_to_fp32_with_vector_instructions():
     bf16's time. Where the build has AVX2, load8 sign-extends and converts with intrinsics, so the kernel's machine
     code holds vpmovsxbd (eight bytes to eight int32 lanes, one instruction). The cause is checked, not a timing."""
     library = Path(cpp_backend.load_kernel().__file__)
-    flags = next((f for f in cpp_backend.FLAGS if cpp_backend.library(cpp_backend.build_dir(f)) == library), None)
+    flags = next((f for f in kernel_build.FLAGS if kernel_build.library(kernel_build.build_dir(f, cpp_backend.SOURCE), cpp_backend.SOURCE) == library), None)
     if platform.machine() not in ("x86_64", "AMD64") or flags is None or shutil.which("objdump") is None:
         pytest.skip("needs an x86-64 build of the kernel from its cache, and objdump")
     compiler = os.environ.get("CXX", "c++")

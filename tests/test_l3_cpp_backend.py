@@ -19,6 +19,7 @@ import torch
 from lessons.l2_token_flat.request import Request
 from lessons.l3_block_tensor.backends import BatchedBackend, CppBackend, make_backend
 from lessons.l3_block_tensor.backends import cpp_backend
+from shared import kernel_build
 from lessons.l3_block_tensor.backends.torch_backend import TorchBackend
 from lessons.l3_block_tensor.batch_meta import BatchMeta
 from shared.errors import CourseError
@@ -34,7 +35,7 @@ BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
 try:
     cpp_backend.load_kernel()
     UNAVAILABLE = None
-except cpp_backend.KernelUnavailable as e:
+except kernel_build.KernelUnavailable as e:
     UNAVAILABLE = str(e)
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C++ kernel is unavailable: {UNAVAILABLE}")
 
@@ -232,12 +233,12 @@ def test_a_build_that_fails_is_one_line_after_trying_both_flag_sets(monkeypatch,
         tried.append(extra_cflags)
         raise subprocess.CalledProcessError(1, ["c++", "--version"])  # what a broken compiler gives cpp_extension
 
-    monkeypatch.setattr(cpp_backend, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(kernel_build, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(cpp_extension, "load", fail)
-    with pytest.raises(cpp_backend.KernelUnavailable, match=r"^the C\+\+ kernel did not build \(Command .* returned "
+    with pytest.raises(kernel_build.KernelUnavailable, match=r"^the C\+\+ kernel did not build \(Command .* returned "
                                                              r"non-zero exit status 1\.\)$"):
-        cpp_backend._build_and_load()
-    assert tried == [list(f) for f in cpp_backend.FLAGS]  # -march=native first, then the portable build
+        kernel_build.build_and_load(cpp_backend.SOURCE)
+    assert tried == [list(f) for f in kernel_build.FLAGS]  # -march=native first, then the portable build
     assert "building the C++ kernel paged_attention.cpp" in capsys.readouterr().err
 
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 from lessons.l3_block_tensor.backends import cpp_backend
+from shared import kernel_build
 from lessons.l14_batch_invariant import ops
 from test_l3_cpp_backend import ROOT, needs_kernel
 
 x86_64 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                             reason=f"-march=haswell is an x86-64 CPU; this machine is {platform.machine()}")
-runs_haswell = pytest.mark.skipif(not {"avx2", "fma"} <= set(cpp_backend.cpu_features().split()),
+runs_haswell = pytest.mark.skipif(not {"avx2", "fma"} <= set(kernel_build.cpu_features().split()),
                                   reason="runs haswell code: needs a CPU whose /proc/cpuinfo lists avx2 and fma")
 # torch's own kernels as on an AVX2 laptop too (ATen's, oneDNN's, MKL's: each picks its ISA at run time), so the
 # oracles' arithmetic is the laptop's. MKL's matters: torch.exp here is MKL's, 1 ulp apart on 105 of 2,304 values.
@@ -53,7 +54,7 @@ def haswell_cache(tmp_path_factory) -> Path:
 def run_as_haswell(cache: Path, files: list[str]) -> None:
     """The files' fast tests in a child pytest that builds and loads the kernels for haswell; every one passes,
     none skips (a kernel that did not build skips its tests, which would pass here unseen)."""
-    env = {**os.environ, **TORCH_AS_AVX2, cpp_backend.MARCH_VAR: "haswell", "PAGED_COURSE_CACHE": str(cache)}
+    env = {**os.environ, **TORCH_AS_AVX2, kernel_build.MARCH_VAR: "haswell", "PAGED_COURSE_CACHE": str(cache)}
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):  # the child is a session
         env.pop(name, None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *files],
@@ -65,15 +66,15 @@ def run_as_haswell(cache: Path, files: list[str]) -> None:
 
 def assert_built_for_haswell(cache: Path, source: Path) -> None:
     """The build the child loaded is the haswell one, alone in the cache, and holds no AVX-512 instruction."""
-    haswell = cpp_backend.flag_sets("haswell")[0]
+    haswell = kernel_build.flag_sets("haswell")[0]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpp_backend, "cache_root", lambda: cache)
-        folder = cpp_backend.build_dir(haswell, source)
-    built = sorted(p.name for p in (cache / "kernels").glob(f"{cpp_backend.module_name(source)}-*") if p.is_dir())
+        mp.setattr(kernel_build, "cache_root", lambda: cache)
+        folder = kernel_build.build_dir(haswell, source)
+    built = sorted(p.name for p in (cache / "kernels").glob(f"{kernel_build.module_name(source)}-*") if p.is_dir())
     assert built == [folder.name], f"expected only the haswell build {folder.name}, found {built}"
     assert "-march=haswell" in (folder / "build.ninja").read_text()
     if shutil.which("objdump"):
-        library = cpp_backend.library(folder, source)
+        library = kernel_build.library(folder, source)
         assert evex_instructions(library) == 0, f"{library} holds AVX-512 instructions"
 
 

@@ -7,22 +7,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from lessons.l10_tensor_parallel.group import TpGroup
+from shared.layers import Linear, linear
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """The rows of a weight that make this rank's slice of the output (its heads, its share of the MLP).
     Nothing to send: what follows (attention per head, SwiGLU per element) needs only this slice."""
 
     def __init__(self, in_features: int, local_out_features: int):
-        super().__init__(in_features, local_out_features, bias=False)
+        super().__init__(in_features, local_out_features)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """The columns of a weight whose input is split across the ranks (the heads into o_proj, the MLP's width
     into down_proj). Each rank's product is a partial sum of the whole output; the all-reduce adds them."""
 
     def __init__(self, local_in_features: int, out_features: int, group: TpGroup):
-        super().__init__(local_in_features, out_features, bias=False)
+        super().__init__(local_in_features, out_features)
         self.group = group
 
     # Task L10.3: split layers: row-parallel and embedding all-reduce, the LM head gathers
@@ -61,4 +62,4 @@ class VocabParallelLMHead(nn.Module):
         """hidden [N, E] -> rank 0: fp32 logits [N, vocab]; other ranks: None."""
         if hidden.shape[0] == 0:  # every rank knows this step samples nothing: no gather to make
             return torch.empty(0, self.vocab_size, device=hidden.device)
-        return self.group.gather_last_dim(F.linear(hidden, self.weight).float())
+        return self.group.gather_last_dim(linear(hidden, self.weight).float())

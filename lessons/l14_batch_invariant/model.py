@@ -1,5 +1,5 @@
 """The batch-invariant model: the same Qwen3 and the same weights, with every matmul and RMSNorm computed by L14's
-C++ ops (invariant_ops.cpp), whose result for a row does not depend on the other rows.
+C++ ops (shared/cpu_ops.cpp), whose result for a row does not depend on the other rows.
 
 The rest of a step is invariant already, and the tests hold it to that: the embedding and RoPE are per-row
 lookups and elementwise arithmetic; L3's attention kernel computes every (query row, head) lane with the same

@@ -47,7 +47,7 @@ L3_PARITY = ("tests/test_l3_engine.py::test_batch_matches_hf_alone",)
 REQ = "lessons/l2_token_flat/request.py"
 META = "lessons/l3_block_tensor/batch_meta.py"
 CPP = "lessons/l3_block_tensor/backends/paged_attention.cpp"
-L14_OPS = "lessons/l14_batch_invariant/invariant_ops.cpp"
+L14_OPS = "shared/cpu_ops.cpp"  # the matmul and RMSNorm L14 teaches
 L4S = "lessons/l4_continuous/scheduler.py"
 L5S = "lessons/l5_preemption/scheduler.py"
 HOST = "lessons/l5_preemption/host_pool.py"
@@ -591,18 +591,20 @@ MUTATIONS: list[Mutation] = [
              "grammar_from_json_schema(ecma_schema(spec.source), defaults=JSON_OPTIONS)",
              "grammar_from_json_schema(ecma_schema(spec.source))",
              ("tests/test_l13_tasks.py::test_grammar_text_of_each_kind_accepts_its_outputs_only",)),
-    Mutation("l14-ex-gemv-row", "L14 batch invariance", "a one-row fast path in the invariant matmul sums its eight "
-             "partial sums left to right instead of the tree: a row alone rounds unlike the same row in a tile "
+    Mutation("l14-ex-gemv-row", "L14 batch invariance", "a one-row fast path in the invariant matmul sums its "
+             "lanes left to right instead of the tree: a row alone rounds unlike the same row in a tile "
              "(docs/l14_batch_invariant.md, exercise)", L14_OPS,
-             "    for (int c = 0; c < C; ++c) put(out + r * n + c, tree8(acc[r][c]));",
-             "    for (int c = 0; c < C; ++c)\n      put(out + r * n + c, R == 1 ? [](f32x8 v) { float s = 0; for (int j = 0; "
-             "j < kVec; ++j) s += v[j]; return s; }(acc[r][c]) : tree8(acc[r][c]));",
+             "    for (int c = 0; c < C; ++c) put(out + r * n + c, sum_lanes(acc[r][c]));",
+             "    for (int c = 0; c < C; ++c)\n      put(out + r * n + c, R == 1 ? [](auto v) { float l[sizeof v / 4], s = 0; "
+             "std::memcpy(l, &v, sizeof v); for (float f : l) s += f; return s; }(acc[r][c]) : sum_lanes(acc[r][c]));",
              ("tests/test_l14_ops.py", "-k", "linear_rows")),
-    Mutation("l14-rms-split-by-batch", "L14 batch invariance", "the invariant RMSNorm groups a row's partial sums "
-             "another way when the batch has more than one row: a batch-dependent split", L14_OPS,
-             "const float scale = 1.0f / std::sqrt(tree8(acc) / static_cast<float>(e) + eps);",
-             "const float scale = 1.0f / std::sqrt(tree8(rows > 1 ? __builtin_shufflevector(acc, acc, 1, 2, 3, 4, 5, "
-             "6, 7, 0) : acc) / static_cast<float>(e) + eps);",
+    Mutation("l14-rms-split-by-batch", "L14 batch invariance", "the invariant RMSNorm sums a row's squares one "
+             "by one, not in its fixed lanes, when the batch has more than one row: a batch-dependent order", L14_OPS,
+             "    for (int64_t r = first; r < last; ++r) norm_row(x + r * e, weight, out + r * e, e, eps);",
+             "    for (int64_t r = first; r < last; ++r) {\n      if (rows == 1) { norm_row(x + r * e, weight, out + r * e, e, eps); "
+             "continue; }\n      float ss = 0;\n      for (int64_t i = 0; i < e; ++i) ss += float(x[r * e + i]) * float(x[r * e + i]);\n"
+             "      const float scale = 1.0f / std::sqrt(ss / float(e) + eps);\n      for (int64_t i = 0; i < e; ++i) "
+             "put(out + r * e + i, float(static_cast<T>(float(x[r * e + i]) * scale)) * float(weight[i]));\n    }",
              ("tests/test_l14_ops.py", "-k", "rms_norm")),
     Mutation("l14-decode-attention-backwards", "L14 batch invariance", "L3's kernel gives items of one query row per "
              "head group (decodes) their own path, adding the page's V rows last to first: accurate, but a decode "
