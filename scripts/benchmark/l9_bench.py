@@ -514,7 +514,7 @@ def main() -> None:
                                             + (f" {args.peer_args}" if args.peer_args else ""))
     if args.only != "ours" and args.peer == "vllm":
         conditions.extra["vllm serve"] = (f"{vllm_version(args.vllm_python)}, --dtype {plan['dtype']} "
-                                          f"--max-model-len {VLLM_MAX_MODEL_LEN}, KV 1 GiB, compiled"
+                                          f"--max-model-len {VLLM_MAX_MODEL_LEN}, compiled, VLLM_CPU_KVCACHE_SPACE=1"
                                           + (f", {args.peer_args}" if args.peer_args else ""))
     t0 = time.perf_counter()
     try:
