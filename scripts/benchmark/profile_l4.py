@@ -43,7 +43,7 @@ SEAMS = {
     "postprocess": ("l4_continuous/scheduler.py", "postprocess"),
     "meta": ("l3_block_tensor/batch_meta.py", "build"),
     "forward": ("shared/model.py", "forward"),
-    "linear": ("~", "torch._C._nn.linear"),
+    "linear": ("shared/layers.py", "linear"),  # every projection: the C++ few-row matmul or torch's F.linear
     "write": ("l3_block_tensor/kv_pool.py", "write"),
     "run": ("backends/", "run"),
     "sdpa": ("~", "scaled_dot_product_attention"),
@@ -54,7 +54,7 @@ SEAMS = {
 
 
 def rows(t: dict[str, float]) -> list[tuple[str, float]]:
-    """The table, indented by nesting. The vocab projection's F.linear runs in model.logits, outside the forward."""
+    """The table, indented by nesting. The vocab projection's matmul runs in model.logits, outside the forward."""
     layer_matmuls = t["linear"] - t["logits"]
     rest = t["forward"] - layer_matmuls - t["run"] - t["write"]
     return [
@@ -62,7 +62,7 @@ def rows(t: dict[str, float]) -> list[tuple[str, float]]:
         ("  scheduler: schedule + postprocess", t["schedule"] + t["postprocess"]),
         ("  batch metadata (BatchMeta.build)", t["meta"]),
         ("  model forward (every layer)", t["forward"]),
-        ("    layer matmuls (F.linear)", layer_matmuls),
+        ("    layer matmuls (shared.layers.linear)", layer_matmuls),
         ("    attention backend: run", t["run"]),
         ("      of which scaled_dot_product_attention", t["sdpa"]),
         ("    KV pool write", t["write"]),
