@@ -256,21 +256,14 @@ void silu_mul_n(const T* gate, const T* up, T* out, int64_t n) {
 // contracted x cos + s sin would differ from HF in the last bit), whatever -ffp-contract the build defaults to.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-// Per head of x [T, H, D]: the head's RMSNorm (when weight has D values; Qwen3's q_norm and k_norm), then NeoX
-// RoPE with the step's tables: out = x cos + swap_halves(x) signed_sin, each product and the sum rounded to T
+// Per head of x [T, H, D]: NeoX RoPE with the step's tables, out = x cos + swap_halves(x) signed_sin, each product
+// and the sum rounded to T
 template <typename T>
-void norm_rope_heads(const T* x, const T* weight, const T* cos, const T* sin, T* out, int64_t t, int64_t h,
-                     int64_t d, float eps) {
+void rope_heads(const T* x, const T* cos, const T* sin, T* out, int64_t t, int64_t h, int64_t d) {
   const int64_t half = d / 2;
   at::parallel_for(0, t * h, 16, [&](int64_t first, int64_t last) {
-    std::vector<T> normed(d);
     for (int64_t row = first; row < last; ++row) {
-      const T* xr = x + row * d;
-      const T* head = xr;
-      if (weight != nullptr) {
-        norm_row(xr, weight, normed.data(), d, eps);
-        head = normed.data();
-      }
+      const T* head = x + row * d;
       const int64_t tok = row / h;
       const T* c = cos + tok * d;
       const T* s = sin + tok * d;
@@ -354,28 +347,19 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
   return out;
 }
 
-// x [T, H, D], weight [D] or empty (no per-head norm), cos and signed sin [T, 1, D] (RotaryEmbedding.tables)
-// -> the heads normed (if weight) and rotated, [T, H, D].
-at::Tensor norm_rope(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& cos_in,
-                     const at::Tensor& sin_in, double eps) {
+// x [T, H, D], cos and signed sin [T, 1, D] (RotaryEmbedding.tables) -> the heads rotated, [T, H, D].
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in) {
   check_cpu(x_in, "x");
   check_same(x_in, cos_in, "cos");
   check_same(x_in, sin_in, "sin");
   TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) % 2 == 0, "x [T, H, D] with an even D");
   const int64_t t = x_in.size(0), h = x_in.size(1), d = x_in.size(2);
   TORCH_CHECK(cos_in.numel() == t * d && sin_in.numel() == t * d, "cos and sin [T, 1, D]");
-  const bool normed = weight_in.numel() > 0;
-  if (normed) {
-    check_same(x_in, weight_in, "weight");
-    TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == d, "weight [D]");
-  }
   const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
   at::Tensor out = at::empty_like(x);
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rope_heads(x.data_ptr<T>(), normed ? weight.data_ptr<T>() : nullptr, cos.data_ptr<T>(), sin.data_ptr<T>(),
-                    out.data_ptr<T>(), t, h, d, float(eps));
+    rope_heads(x.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), out.data_ptr<T>(), t, h, d);
   });
   return out;
 }
@@ -400,6 +384,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm row by row, each row's sum of squares in one fixed order",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
-  m.def("norm_rope", &norm_rope, "per-head RMSNorm (optional) then NeoX RoPE", py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, "NeoX RoPE with a step's cos and signed sin", py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the instruction set this build's matmul uses");
 }

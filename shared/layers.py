@@ -80,13 +80,11 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     if (ops := ops_for(x)) is not None:  # one pass: both products and their sum per element
-        return ops.norm_rope(x, _NO_NORM, cos, signed_sin, 0.0)
+        return ops.rope(x, cos, signed_sin)
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x) but for the sign, which sin holds
     return (x * cos).add_(swapped.mul_(signed_sin))
 
-
-_NO_NORM = torch.empty(0)  # norm_rope's "no per-head norm"
 
 
 class MLP(nn.Module):
