@@ -9,7 +9,8 @@ b. A 512-token prefill: one prompt, its one step timed (max-batched-tokens 512).
 c. An L4-style run: bench.py's mixed workload (--requests requests, prompts of 32-512 tokens, 16-128 new tokens,
    a 8,192-token pool, all submitted at once), the whole run timed.
 Each measurement runs its modes in harness.alternate's order on fresh engines, --rounds times; the table gives
-each mode's median and invariant / default (above 1: the mode is slower). Target: decode at batch 16 within 1.25x.
+each mode's median and invariant / default (above 1: the mode is slower). Target: decode at batch 1 and at batch
+16 within 1.05x (both modes take the same few-row matmul there).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ MODELS: dict[str, Callable[[], Path]] = {"tiny": default_model_dir, "bench": bs.
                                          "smollm2": lambda: resolve_model_dir("smollm2", default_model_dir)}
 MODES = {"default": False, "invariant": True}
 PROMPT, DECODE_STEPS, PREFILL, KV_TOKENS = 128, 32, 512, 8192
-TARGET = 1.25  # decode at batch 16: invariant / default
+TARGET = 1.05  # decode at batch 1 and 16: invariant / default
 
 
 def parser() -> OneLineParser:
@@ -114,10 +115,11 @@ def run(args, console: Console) -> int:
     columns = ["measurement", *modes] + (["invariant / default"] if len(modes) == 2 else [])
     console.print(harness.table(f"L14: the batch-invariant mode's cost ({args.model}, {args.dtype}, median of "
                                 f"{args.rounds} rounds)", columns, rows))
-    decode16 = report["decode, batch 16 (ms/step)"]["ratio"]
-    if decode16 is not None:
-        met = "met" if decode16 <= TARGET else "NOT met"
-        console.print(f"target: decode at batch 16 within {TARGET}x the default mode's time: {decode16:.2f}x, {met}")
+    decodes = {b: report.get(f"decode, batch {b} (ms/step)", {}).get("ratio") for b in (1, 16)}
+    if None not in decodes.values():
+        met = "met" if max(decodes.values()) <= TARGET else "NOT met"
+        console.print(f"target: decode at batch 1 and 16 within {TARGET}x the default mode's time: "
+                      f"{decodes[1]:.2f}x and {decodes[16]:.2f}x, {met}")
     harness.finish(conditions, console)
     if args.json:
         harness.write_json(args.json, {"results": report}, conditions, console)
