@@ -23,7 +23,7 @@ def test_profile_of_a_small_run_names_every_seam():
     assert done.returncode == 0, done.stderr[-2000:]
     shares = dict(re.findall(r"│ *([a-zA-Z][^│]*?) *│ *[\d.]+ *│ *(\d+)% *│", done.stdout))
     assert shares["engine step (everything below)"] == "100"
-    for seam in ("layer matmuls (F.linear)", "attention backend: run", "vocab projection (model.logits)", "sampling"):
+    for seam in ("layer matmuls (shared.layers.linear)", "attention backend: run", "vocab projection (model.logits)", "sampling"):
         assert seam in shares, (seam, sorted(shares))
     assert int(shares["model forward (every layer)"]) > 0
     # the harness's conditions line, with the backend the engine really used (not the "auto" asked for)
