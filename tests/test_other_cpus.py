@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from lessons.l3_block_tensor.backends import cpp_backend
-from shared import kernel_build
-from lessons.l14_batch_invariant import ops
+from shared import cpu_ops, kernel_build
 from test_l3_cpp_backend import ROOT, needs_kernel
 
 x86_64 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -97,7 +96,7 @@ def test_the_avx2_build_of_l14s_ops_keeps_its_bit_for_bit_claims(haswell_cache):
     # the __FMA__ branch: rows bitwise the same for any batch, thread count and place; RMSNorm HF's arithmetic;
     # L3's kernel bitwise the same whole, sliced, decoded and in a crowd
     run_as_haswell(haswell_cache, ["tests/test_l14_ops.py"])
-    assert_built_for_haswell(haswell_cache, ops.SOURCE)
+    assert_built_for_haswell(haswell_cache, cpu_ops.SOURCE)  # L14's ops are the shared decode ops
     assert_built_for_haswell(haswell_cache, cpp_backend.SOURCE)
 
 
