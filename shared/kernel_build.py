@@ -4,8 +4,8 @@ torch.utils.cpp_extension compiles it on first use (needs a C++ compiler and nin
 course's cache folder; later processes load the finished build in well under a second. One process builds at a
 time, under a lock the OS drops when its holder dies: a build killed half-way never blocks the next. A build is
 made in a folder of its own and renamed into place whole; a finished build is only ever imported, so no process
-rewrites a kernel that another has loaded. L3's paged attention, L12's and L14's kernels and the decode step's
-CPU ops (shared/cpu_ops.cpp) are built by it.
+rewrites a kernel that another has loaded. It builds L3's paged attention (L12's int8 pages included) and the
+decode step's CPU ops (shared/cpu_ops.cpp, L14's invariant matmul too).
 """
 from __future__ import annotations
 
