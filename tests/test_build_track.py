@@ -27,10 +27,17 @@ LESSONS = lessons(ROOT)
 
 
 def course(*args: str, cwd: Path = ROOT, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """scripts/course.py in a subprocess; `cache`: a cache folder of its own (the workspaces it remembers), whose
+    kernel builds and tiny model are the suite's own, linked: a fresh kernel build is a minute a test on a 2-core box
+    (how `check` builds is test_check_says_when_a_kernel_build_starts_and_how_long_it_took's)."""
     env = None
     if cache is not None:
-        import os
+        from shared.tiny_qwen3 import cache_root, default_model_dir
 
+        cache.mkdir(parents=True, exist_ok=True)
+        for shared in (cache_root() / "kernels", default_model_dir()):
+            if shared.exists() and not (cache / shared.name).exists():
+                (cache / shared.name).symlink_to(shared, target_is_directory=True)
         env = {**os.environ, "PAGED_COURSE_CACHE": str(cache)}
     return subprocess.run([*COURSE, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
 
