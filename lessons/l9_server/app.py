@@ -218,8 +218,9 @@ def create_app(model: ServedModel, loop: EngineLoop, default_max_tokens: int = 2
                     texts[event.index] += event.text
                     tokens[event.index] += event.token_ids
                     finishes[event.index] = event.finish_reason or ""
-                elif isinstance(event, Finished):
-                    return JSONResponse(shape.whole(texts, tokens, finishes, ids, event.completion_tokens))
+                elif isinstance(event, Finished):  # L15's prefill server sends one with top-level fields to add
+                    return JSONResponse(shape.whole(texts, tokens, finishes, ids, event.completion_tokens)
+                                        | getattr(event, "fields", {}))
                 elif isinstance(event, Failed):
                     raise event.error
         finally:  # also when this task is cancelled (a shutdown past its grace period)
