@@ -8,6 +8,8 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py --kv-dtype int8      # L12: K and V stored as int8 with a scale per token and head
     # L13: any request may ask for JSON (response_format) or a regex or choices (structured_outputs)
     python scripts/serve.py --batch-invariant    # L14: each request's logits bitwise the same whatever else runs
+    python scripts/serve.py --kv-role kv_producer --port 8100  # L15: a prefill server (P) and a decode server (D),
+    python scripts/serve.py --kv-role kv_consumer --port 8200  # joined by scripts/l15_proxy.py
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
@@ -53,6 +55,10 @@ from lessons.l12_kv_quant.runner import KV_DTYPES  # noqa: E402
 from lessons.l13_structured import L13TpEngine  # noqa: E402
 from lessons.l13_structured.server import StructuredOutputs  # noqa: E402
 from lessons.l14_batch_invariant import L14Engine  # noqa: E402
+from lessons.l15_disaggregated import L15Engine  # noqa: E402
+from lessons.l15_disaggregated.connector import DEFAULT_LEASE_S, POLICIES  # noqa: E402
+from lessons.l15_disaggregated.engine import KV_ROLES  # noqa: E402
+from lessons.l15_disaggregated.server import KvEngineLoop, create_kv_app  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
 from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
@@ -111,6 +117,16 @@ def parser() -> OneLineParser:
                         "blocks (default: auto)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="L14: a request's logits are bitwise the same whatever else the server runs (CPU, --tp 1)")
+    p.add_argument("--kv-role", default="kv_both", choices=KV_ROLES,
+                   help="L15: kv_producer prefills and leases each prompt's pages to a decode server; kv_consumer "
+                        "pulls them from one before it decodes; kv_both serves alone, as before (default: kv_both)")
+    p.add_argument("--kv-port", type=int, help="L15, kv_producer: the port its page server listens on, on --host "
+                   "(default: 0, a free one; the lease in each answer says which)")
+    p.add_argument("--kv-lease-s", type=float, help=f"L15, kv_producer: seconds a prompt's pages wait for the decode "
+                   f"server to pull them before they are freed (default: {DEFAULT_LEASE_S:g}, vLLM's)")
+    p.add_argument("--kv-load-failure-policy", choices=POLICIES,
+                   help="L15, kv_consumer: when a pull fails, recompute the prompt or refuse the request with a 502 "
+                        "(default: recompute)")
     p.add_argument("--pool-viewer", action="store_true",
                    help="also serve the KV pool, live, at /pool (read-only; a recorder follows every step)")
     p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines, one per step) here; "
@@ -231,6 +247,29 @@ def make_drafter(args, model_dir: Path, dtype: torch.dtype, device: torch.device
     return drafter, f" · speculative draft k={k} · draft-model {draft_dir}{whose}"
 
 
+def check_kv_role(args) -> dict:
+    """L15's flags, refused in one line when they cannot mean anything; the connector's options."""
+    for value, flag, role in ((args.kv_port, "--kv-port", "kv_producer"),
+                              (args.kv_lease_s, "--kv-lease-s", "kv_producer"),
+                              (args.kv_load_failure_policy, "--kv-load-failure-policy", "kv_consumer")):
+        if value is not None and args.kv_role != role:
+            raise CourseError(f"{flag} is a {role} server's: it needs --kv-role {role}")
+    if args.kv_role == "kv_both":
+        return {}
+    if args.tp != 1:
+        raise CourseError(f"--kv-role {args.kv_role} runs at --tp 1, not {args.tp}: pages move between two single-rank "
+                          f"engines here")
+    if args.kv_role == "kv_consumer":
+        return {"policy": args.kv_load_failure_policy or "recompute"}
+    port = 0 if args.kv_port is None else args.kv_port
+    if not 0 <= port < 65536:
+        raise CourseError(f"--kv-port must be in [0, 65535], got {port}")
+    lease_s = DEFAULT_LEASE_S if args.kv_lease_s is None else args.kv_lease_s
+    if not 0 < lease_s < float("inf"):  # NaN too
+        raise CourseError(f"--kv-lease-s must be a positive number of seconds, got {args.kv_lease_s}")
+    return {"host": args.host, "port": port, "lease_s": lease_s}
+
+
 def build(args) -> tuple[Server, socket.socket]:
     for value, name in ((args.max_waiting, "--max-waiting"), (args.default_max_tokens, "--default-max-tokens"),
                         (args.max_body_bytes, "--max-body-bytes")):
@@ -246,6 +285,7 @@ def build(args) -> tuple[Server, socket.socket]:
     if not 0 <= args.port < 65536:
         raise CourseError(f"--port must be in [0, 65535], got {args.port}")
     check_speculation(args)
+    connector_args = check_kv_role(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.batch_invariant and args.tp != 1:
@@ -277,11 +317,20 @@ def build(args) -> tuple[Server, socket.socket]:
     quantized_kv = {}  # with the default --kv-dtype auto: the pool in the model's dtype, as every earlier lesson
     if args.kv_dtype != "auto":  # L12: int8 pages, the pool sized in bytes
         quantized_kv = dict(kv_dtype=args.kv_dtype)
-    engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
-                          graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
-                          max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
-                          long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation,
-                          **quantized_kv, **invariant)
+    kv_role = {}  # L15: a prefill or decode engine, L14's otherwise
+    if args.kv_role != "kv_both":
+        engine_class, kv_role = L15Engine, dict(kv_role=args.kv_role, connector_args=connector_args)
+    try:
+        engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
+                              graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
+                              max_slice_tokens=args.max_slice_tokens, max_long_prefills=args.max_long_prefills,
+                              long_prefill_threshold=args.long_prefill_threshold, seed=args.seed, **speculation,
+                              **quantized_kv, **invariant, **kv_role)
+    except OSError as e:
+        if args.kv_role != "kv_producer":
+            raise
+        # P's page server could not listen (a busy --kv-port): one line, as for the HTTP port
+        raise CourseError(f"--kv-port {connector_args['port']}: cannot listen on {args.host}: {e.strerror}") from None
     engine.stats.record_timeline = False
     live, outs = None, []
     if args.trace is not None:
@@ -298,17 +347,27 @@ def build(args) -> tuple[Server, socket.socket]:
     if args.kv_dtype != "auto":
         kv_line = f" · kv-dtype {args.kv_dtype} · kv-blocks {engine.allocator.num_blocks}"
     # What a benchmark's conditions line needs from the server itself: the backend `auto` resolved to, the threads.
+    role_line = ""
+    if args.kv_role == "kv_producer":
+        role_line = (f" · kv-role kv_producer · kv-port {engine.producer.server.address[1]}"
+                     f" · kv-lease-s {connector_args['lease_s']:g}")
+    elif args.kv_role == "kv_consumer":
+        role_line = f" · kv-role kv_consumer · kv-load-failure-policy {connector_args['policy']}"
     print(f"engine: backend {engine.runner.backend.name} · threads {torch.get_num_threads()} · device {device.type}"
           f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}{kv_line}"
-          f"{' · batch-invariant' if args.batch_invariant else ''}", flush=True)
+          f"{' · batch-invariant' if args.batch_invariant else ''}{role_line}", flush=True)
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)
     served = ServedModel(name, tokenizer, chat if chat.available else None, config.max_position_embeddings,
                          config.vocab_size)
-    loop = EngineLoop(engine, token_bytes, ServerMetrics(), frozenset(config.eos_token_ids), args.max_waiting)
+    loop_class = EngineLoop if args.kv_role == "kv_both" else KvEngineLoop  # L15: P leases, D pulls
+    loop = loop_class(engine, token_bytes, ServerMetrics(), frozenset(config.eos_token_ids), args.max_waiting)
     # L13: response_format and structured_outputs, compiled by llguidance (its tokenizer loads at the first grammar)
     structured = StructuredOutputs(tokenizer, config.vocab_size, frozenset(config.eos_token_ids), loop.metrics.registry)
-    app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes, structured)
+    if args.kv_role == "kv_both":
+        app = create_app(served, loop, args.default_max_tokens, args.max_body_bytes, structured)
+    else:  # L15: kv_transfer_params taken before L9's checks, D's 503s for want of room with Retry-After
+        app = create_kv_app(served, loop, args.default_max_tokens, args.max_body_bytes, structured)
     if live is not None:
         add_routes(app, live)
     host, port = sock.getsockname()[:2]
@@ -338,8 +397,8 @@ def main() -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        if isinstance(server.engine_loop.engine, L10Engine):
-            server.engine_loop.engine.close()  # the followers stop with the server
+        if isinstance(server.engine_loop.engine, (L10Engine, L15Engine)):
+            server.engine_loop.engine.close()  # the followers stop with the server; P's page server closes
 
 
 if __name__ == "__main__":
