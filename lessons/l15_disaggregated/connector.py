@@ -347,4 +347,8 @@ def check_params(params: object, most: int) -> list[int]:
     for name, kind in (("remote_request_id", int), ("remote_host", str), ("remote_port", int)):
         if not isinstance(params.get(name), kind) or isinstance(params.get(name), bool):
             raise CourseError(f"kv_transfer_params.{name} must be {'an integer' if kind is int else 'a string'}")
+    if not 0 <= params["remote_request_id"] < 1 << 63:  # it travels as an int64
+        raise CourseError(f"kv_transfer_params.remote_request_id {params['remote_request_id']} is no lease P gives")
+    if not 1 <= params["remote_port"] <= 65535:
+        raise CourseError(f"kv_transfer_params.remote_port {params['remote_port']} is not a TCP port")
     return blocks
