@@ -6,7 +6,8 @@
 - The model takes them for a decode step's few rows and torch's GEMM for a prefill's many; its logits stay within
   rounding of torch's path and its greedy tokens equal (parity itself is every lesson's own tests).
 - Without a compiler one `note:` line, and torch runs: the same tokens.
-- The AVX2 build (what a laptop without AVX-512 runs), built for haswell and run here, keeps the same contract.
+- The AVX2 build (what a laptop without AVX-512 runs), built for haswell, keeps the same contract: tests/test_other_cpus.py
+  runs this file's fast tests against it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from shared.model import Qwen3ForCausalLM
 from shared.tiny_qwen3 import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPECT_ISA = "CPU_OPS_EXPECT_ISA"  # set by the AVX2 test for the run it starts
+EXPECT_ISA = "CPU_OPS_EXPECT_ISA"  # set by tests/test_other_cpus.py for its AVX2 run of this file
 
 try:
     OPS = cpu_ops.load_ops()
@@ -164,18 +165,3 @@ def test_without_a_compiler_one_note_and_torch_runs(tmp_path):
     notes = [line for line in run.stderr.splitlines() if line.startswith("note:")]
     assert notes == ["note: the C++ decode ops are unavailable (no C++ compiler (no-such-compiler) on PATH); torch "
                      "runs every op"], run.stderr
-
-
-@pytest.mark.slow
-def test_the_avx2_build_keeps_the_contract():
-    """Built for haswell (AVX2 and FMA, no AVX-512) and run on this CPU, which runs AVX2 code too: the 8-lane
-    paths a laptop takes, held to this file's op tests (the model's are the same calls). Its build has a cache
-    folder of its own (the flags key it)."""
-    features = set(open("/proc/cpuinfo").read().split()) if Path("/proc/cpuinfo").exists() else set()
-    if not {"avx2", "fma"} <= features:
-        pytest.skip("this CPU does not run AVX2 code")
-    env = {**os.environ, "PAGED_COURSE_MARCH": "haswell", EXPECT_ISA: "avx2"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not slow",
-                          "-k", "not without_a_compiler and not the_model"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:]

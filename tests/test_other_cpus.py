@@ -53,7 +53,8 @@ def haswell_cache(tmp_path_factory) -> Path:
 def run_as_haswell(cache: Path, files: list[str]) -> None:
     """The files' fast tests in a child pytest that builds and loads the kernels for haswell; every one passes,
     none skips (a kernel that did not build skips its tests, which would pass here unseen)."""
-    env = {**os.environ, **TORCH_AS_AVX2, kernel_build.MARCH_VAR: "haswell", "PAGED_COURSE_CACHE": str(cache)}
+    env = {**os.environ, **TORCH_AS_AVX2, kernel_build.MARCH_VAR: "haswell", "PAGED_COURSE_CACHE": str(cache),
+           "CPU_OPS_EXPECT_ISA": "avx2"}  # tests/test_cpu_ops.py: the ops must report their 8-lane AVX2 paths
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):  # the child is a session
         env.pop(name, None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *files],
@@ -88,14 +89,15 @@ def test_the_avx2_build_of_the_attention_kernel_matches_the_oracle(haswell_cache
     assert_built_for_haswell(haswell_cache, cpp_backend.SOURCE)
 
 
-@pytest.mark.slow  # L14's ops build and their tests: 26 s (L3's kernel builds too if the test above did not run)
+@pytest.mark.slow  # the decode ops' build and L14's and their own tests (L3's kernel builds too if the test above did not run)
 @needs_kernel
 @x86_64
 @runs_haswell
 def test_the_avx2_build_of_l14s_ops_keeps_its_bit_for_bit_claims(haswell_cache):
     # the __FMA__ branch: rows bitwise the same for any batch, thread count and place; RMSNorm HF's arithmetic;
-    # L3's kernel bitwise the same whole, sliced, decoded and in a crowd
-    run_as_haswell(haswell_cache, ["tests/test_l14_ops.py"])
+    # L3's kernel bitwise the same whole, sliced, decoded and in a crowd; and the decode ops' own contract (every
+    # model's CPU matmul, norms, RoPE: accuracy against float64, rows bitwise the same at M 1..130, RoPE torch's bits)
+    run_as_haswell(haswell_cache, ["tests/test_l14_ops.py", "tests/test_cpu_ops.py"])
     assert_built_for_haswell(haswell_cache, cpu_ops.SOURCE)  # L14's ops are the shared decode ops
     assert_built_for_haswell(haswell_cache, cpp_backend.SOURCE)
 
