@@ -4,7 +4,8 @@ The replay knows only the trace. It applies the allocator's events as L2's alloc
 manager apply them (a block is handed out from the front of the free list, then the least recently released
 cached one; a freed block goes to the back, a ref-counted free goes tail first), and after every record it
 checks what must hold in any engine: each block's reference count is the number of block tables that name
-it, and every block is exactly one of free, cached and unreferenced, or held. A trace that breaks either
+it (L15: a lease on P and a pull in flight on D hold their blocks as a table does), and every block is exactly
+one of free, cached and unreferenced, or held. A trace that breaks either
 raises ReplayError naming the record and the block. tests/test_pool_trace.py checks the replay against the
 engine's own state after every step of randomized workloads: the viewer's picture is the engine's.
 """
@@ -53,6 +54,8 @@ class PoolState:
     tables: dict[int, list[int]] = field(default_factory=dict)
     host_tables: dict[int, list[int]] = field(default_factory=dict)
     seqs: dict[int, SeqInfo] = field(default_factory=dict)
+    leases: dict[str, list[int]] | None = None  # L15's P: lease id (hex) -> its blocks; None: not a P
+    pulls: dict[int, list[int]] = field(default_factory=dict)  # L15's D: pull number -> its blocks, in flight
     record: int = 0  # records applied after the header
 
     @classmethod
@@ -62,14 +65,25 @@ class PoolState:
         state = cls(h["num_blocks"], h["block_size"], h["ref_counted"], list(h["free"]), list(h["lru"]),
                     list(h["ref"]), {int(b): k for b, k in h["cache"].items()}, list(h["pinned"]),
                     h["host_blocks"], list(h["host_free"]))
+        if "leases" in h:
+            state.leases = {k: list(b) for k, b in h["leases"].items()}
         state.check()
         return state
 
     def as_dict(self) -> dict:
-        """What `pool_trace.pool_state(engine)` returns for the same pool."""
-        return {"free": list(self.free), "lru": list(self.lru), "ref": list(self.ref), "cache": dict(self.cache),
-                "tables": {i: list(t) for i, t in self.tables.items()}, "host_free": list(self.host_free),
-                "host_tables": {i: list(t) for i, t in self.host_tables.items()}}
+        """What `pool_trace.pool_state(engine)` returns for the same pool (D's pulls in flight aside: the engine
+        keeps no list of them)."""
+        out = {"free": list(self.free), "lru": list(self.lru), "ref": list(self.ref), "cache": dict(self.cache),
+               "tables": {i: list(t) for i, t in self.tables.items()}, "host_free": list(self.host_free),
+               "host_tables": {i: list(t) for i, t in self.host_tables.items()}}
+        if self.leases is not None:
+            out["leases"] = {k: list(b) for k, b in self.leases.items()}
+        return out
+
+    def holders(self) -> dict[str, list[int]]:
+        """L15: who holds blocks besides the tables, by name ("lease 3fa2c01b", "pull 0")."""
+        return {**{f"lease {k[:8]}": list(b) for k, b in (self.leases or {}).items()},
+                **{f"pull {n}": list(b) for n, b in self.pulls.items()}}
 
     # --- applying one record ---
 
@@ -151,6 +165,27 @@ class PoolState:
 
     _cow = _preempt = _fork = _rollback = _swap_out = _swap_in = _abort = _noop
 
+    # L15: holders that are not tables. Their blocks' references are the share/alloc/free events around them.
+    def _lease(self, e: dict) -> None:
+        if self.leases is None:
+            self.leases = {}
+        self._expect(e["lease"] not in self.leases, f"lease {e['lease']} granted twice")
+        self.leases[e["lease"]] = list(e["blocks"])
+
+    def _unlease(self, e: dict) -> None:
+        blocks = (self.leases or {}).pop(e["lease"], None)
+        self._expect(blocks is not None, f"lease {e['lease']} ended but it was never granted")
+        self._expect(blocks == e["blocks"], f"lease {e['lease']} ended with blocks {e['blocks']}, granted {blocks}")
+
+    def _pull(self, e: dict) -> None:
+        self._expect(e["pull"] not in self.pulls, f"pull {e['pull']} started twice")
+        self.pulls[e["pull"]] = list(e["blocks"])
+
+    def _pulled(self, e: dict) -> None:
+        blocks = self.pulls.pop(e["pull"], None)
+        self._expect(blocks is not None, f"pull {e['pull']} ended but it never started")
+        self._expect(blocks == e["blocks"], f"pull {e['pull']} ended with blocks {e['blocks']}, took {blocks}")
+
     def _expect(self, ok: object, message: str) -> None:
         if not ok:
             raise ReplayError(f"record {self.record}: {message}")
@@ -159,11 +194,13 @@ class PoolState:
 
     def check(self) -> None:
         held = Counter(b for t in self.tables.values() for b in t) + Counter(self.pinned)
+        others = Counter(b for t in self.holders().values() for b in t)  # L15's leases and pulls in flight
         free, lru = set(self.free), set(self.lru)
         self._expect(len(free) == len(self.free) and len(lru) == len(self.lru), "a block is listed twice")
         for b in range(self.num_blocks):
-            if self.ref[b] != held[b]:
-                self._expect(False, f"block {b}: ref count {self.ref[b]} but {held[b]} table(s) hold it")
+            if self.ref[b] != held[b] + others[b]:
+                also = f" and {others[b]} lease(s) or pull(s)" if others[b] else ""
+                self._expect(False, f"block {b}: ref count {self.ref[b]} but {held[b]} table(s){also} hold it")
             where = (b in free) + (b in lru) + (self.ref[b] > 0)
             self._expect(where == 1, f"block {b} is in {where} of free, cached-unreferenced and held")
             self._expect(b not in free or b not in self.cache, f"block {b} is free but still in the prefix cache")
@@ -223,6 +260,8 @@ class PoolState:
             return f"block {e['block']} registered in the prefix cache, after an evicted entry: never hit"
         if op in SAY:
             return SAY[op].format(**e)
+        if op in ("lease", "unlease", "pull", "pulled"):
+            return say_l15(e)
         if op == "preempt":
             return (f"request {e['seq']} preempted: its blocks copied to host memory" if e["to"] == "host" else
                     f"request {e['seq']} preempted: its blocks freed, its tokens to be computed again")
@@ -235,6 +274,34 @@ class PoolState:
             return (f"request {e['seq']} kept {kept} of {p['drafts']} draft token(s) and the target's own{rest}: "
                     f"its cache holds {e['end'] - 1} tokens")
         return None
+
+
+def say_l15(e: dict) -> str:
+    """L15's holders in words: P's leases, D's pulls."""
+    op, blocks = e["op"], e["blocks"]
+    if op == "lease":
+        who = f"request {e['seq']}" if "seq" in e else "a finished prompt"
+        if not blocks:
+            return f"{who}: no full block to lease (lease {e['lease'][:8]} holds nothing)"
+        return (f"{who}: blocks {blocks} leased to the decode engine (lease {e['lease'][:8]}; each ref +1, held "
+                f"until it pulls them or the lease expires)")
+    if op == "unlease":
+        why = "released by the decode engine" if e["why"] == "released" else "expired before a pull released it"
+        return f"lease {e['lease'][:8]} {why}: blocks {blocks} let go (each ref -1)"
+    hits, fresh = blocks[:e["hits"]], blocks[e["hits"]:]
+    if op == "pull":
+        own = f"; block(s) {hits} this engine's own cache held already" if hits else ""
+        return (f"pull {e['pull']} (lease {e['lease'][:8]}, a {e['tokens']}-token prompt): blocks {fresh} taken to "
+                f"be filled from the prefill engine{own}")
+    outcome, why = e["outcome"], f" ({e['error']})" if e.get("error") else ""
+    if outcome == "filed":
+        return (f"pulled {len(fresh)} block(s) from the prefill engine into {fresh}; they enter the prefix cache, "
+                f"where the request's admission hits them")
+    if outcome == "abandoned":
+        return f"pull {e['pull']} abandoned (its client left): blocks {blocks} freed, {fresh} unregistered"
+    then = ("the request is refused (policy fail)" if outcome == "refused"
+            else "the prompt is computed here instead (policy recompute)")
+    return f"pull {e['pull']} failed{why}: blocks {blocks} freed, {fresh} unregistered; {then}"
 
 
 def replay(trace: list[dict]) -> list[tuple[dict, PoolState, list[str]]]:

@@ -12,12 +12,31 @@ they happened, the block tables that changed, and every known request's status a
   register / evict       a block named in the prefix cache, or dropped from it to be reused
   admit / hit / fork / preempt / swap_out / swap_in / draft / rollback / finish / abort
 Work done between steps (a server's abort) gets a record of its own, "kind": "between".
+
+L15's engines hold blocks that no block table holds, between steps and across them. The recorder watches their
+connectors (`engine.producer`, `engine.consumer`) when the engine has them, and names these holders:
+  lease   {lease, blocks, seq?}   P leased a finished prompt's full blocks (after its share event); `lease` is the
+                                  lease id in hex (as D's kv_transfer_params name it), seq the request if known
+  unlease {lease, blocks, why}    P ends a lease, "released" by D or "expired" (before the frees of its blocks)
+  pull    {pull, lease, blocks, hits, tokens}   D took blocks for a pull (after their share and alloc): blocks =
+                                  its own hits (the first `hits`) + the fresh blocks the pull fills; pull numbers
+                                  D's pulls in the order they started; tokens: the prompt's length
+  pulled  {pull, blocks, hits, outcome, error?}  D ended that pull (before its registers and frees): outcome
+                                  "filed" (the fresh blocks enter its prefix cache), "recompute" or "refused" (the
+                                  pull failed under policy recompute or fail) or "abandoned" (its client left)
+The replay counts a lease or a pull in flight as a holder of its blocks, as it counts a table. A P's header and
+`pool_state` carry its leases ({lease: blocks}); D's pulls in flight are the recorder's knowledge only (the
+engine keeps no list of them: the server does). L15's records also carry "at", when the record's first event
+happened (or its step began): time.time() unless a `stamp` is given, so two engines' traces, P's and D's, can be
+stepped together in wall order (the viewer's --lesson l15 gives both recorders one counter). Earlier lessons'
+records carry no "at" unless a stamp is given.
 `shared/pool_replay.py` rebuilds the pool from these lines alone, and a test checks it against the engine.
 """
 from __future__ import annotations
 
 import io
 import json
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
@@ -35,13 +54,22 @@ def pool_state(engine: Any, seqs: list[Any] | None = None) -> dict:
         ref, free, lru, cache = [0 if f else 1 for f in a._is_free], list(a._free), [], {}
     host = getattr(getattr(engine, "scheduler", None), "host", None)
     seqs = live_sequences(engine) if seqs is None else seqs
+    producer = getattr(engine, "producer", None)  # L15's P: its leases hold blocks too
     return {
         "free": free, "lru": lru, "ref": ref, "cache": cache,
         "tables": {_id(s): list(s.blocks) for s in seqs if s.blocks},
         "host_free": list(host.allocator._free) if host is not None else [],
         "host_tables": {_id(s): list(s.extra["host_blocks"]) for s in seqs
                         if getattr(s, "extra", {}).get("host_blocks")},
+        **({"leases": leases_of(producer)} if producer is not None else {}),
     }
+
+
+def leases_of(producer: Any) -> dict[str, list[int]]:
+    """L15's P: its live leases (released ones not yet freed included), {lease id in hex: blocks}."""
+    leases = producer.leases
+    with leases._lock:  # granted and released on other threads too
+        return {KEY_FORMAT.format(i): list(lease.blocks) for i, lease in leases._leases.items()}
 
 
 def live_sequences(engine: Any) -> list[Any]:
@@ -64,8 +92,11 @@ def prefix_length(cache: Any, block: int) -> int | None:
 class PoolRecorder:
     """Attach to an engine (L2 on), write one JSON line per step to `out`; `close()` detaches and flushes."""
 
-    def __init__(self, engine: Any, out: TextIO, lesson: str = ""):
+    def __init__(self, engine: Any, out: TextIO, lesson: str = "", stamp: Callable[[], float] | None = None):
         self.engine, self.out = engine, out
+        paired = getattr(engine, "producer", None) is not None or getattr(engine, "consumer", None) is not None
+        self.stamp = stamp if stamp is not None or not paired else time.time  # records' "at": see the docstring
+        self._at: float | None = None  # when the record under way began
         self.events: list[dict] = []
         self.plan: list[dict] = []
         self.steps = 0
@@ -84,6 +115,10 @@ class PoolRecorder:
                   "num_blocks": a.num_blocks, "block_size": engine.block_size,
                   "ref_counted": hasattr(a, "ref"), "host_blocks": host.allocator.num_blocks if host else 0,
                   "pinned": [dummy] if dummy is not None else [], **state}
+        if paired:
+            header["kv_role"] = engine.kv_role
+        if self.stamp is not None:
+            header["at"] = self.stamp()
         self._write(header)
         self._watch_allocator(a, "device")
         if host is not None:
@@ -95,6 +130,7 @@ class PoolRecorder:
         if hasattr(a, "copy_on_write"):
             self._wrap(a, "copy_on_write", lambda r, block: self._event("cow", src=block, dst=r))
         self._watch_engine(engine)
+        self._watch_connectors(engine)
 
     # --- wiring ---
 
@@ -149,10 +185,64 @@ class PoolRecorder:
         if hasattr(engine, "abort"):
             self._wrap(engine, "abort", lambda r, seqs: None, before=lambda seqs: self._aborting(seqs))
 
+    def _watch_connectors(self, engine: Any) -> None:
+        """L15: P's leases and D's pulls hold blocks between steps; see the docstring for their events."""
+        producer, consumer = getattr(engine, "producer", None), getattr(engine, "consumer", None)
+        if producer is not None:
+            self._leasing: int | None = None  # the request engine.request_finished was called for
+            self._wrap(engine, "request_finished", lambda r, seq: None,
+                       before=lambda seq: setattr(self, "_leasing", _id(seq)))
+            self._wrap(producer, "request_finished", self._leased)
+            self._before_reap: dict[int, Any] = {}  # lease id -> its Lease, as reap began
+            self._wrap(producer.leases, "reap", lambda r: self._reaped(producer.leases),
+                       before=lambda: self._reaping(producer.leases))
+        if consumer is not None:
+            self._pulls: dict[int, int] = {}  # id(pending) -> its pull number, while in flight
+            self._pull_count = 0
+            self._wrap(consumer, "start", self._pull_started)
+            failed = lambda: "refused" if consumer.policy == "fail" else "recompute"  # noqa: E731
+            self._wrap(consumer, "finish", lambda r, pending: None,  # before: policy fail raises from finish
+                       before=lambda pending: self._pull_ended(pending, failed() if pending.error else "filed"))
+            self._wrap(consumer, "abandon", lambda r, pending: None,
+                       before=lambda pending: self._pull_ended(pending, "abandoned"))
+
     # --- what happens ---
 
     def _event(self, op: str, **fields) -> None:
+        if self._at is None and self.stamp is not None:
+            self._at = self.stamp()
         self.events.append({"op": op, **fields})
+
+    def _leased(self, params: dict, prompt_ids: list[int]) -> None:
+        seq, self._leasing = self._leasing, None
+        self._event("lease", lease=KEY_FORMAT.format(params["remote_request_id"]),
+                    blocks=list(params["remote_block_ids"]), **({"seq": seq} if seq is not None else {}))
+
+    def _reaping(self, leases: Any) -> None:
+        with leases._lock:
+            self._before_reap = dict(leases._leases)
+
+    def _reaped(self, leases: Any) -> None:
+        before, self._before_reap = self._before_reap, {}
+        with leases._lock:
+            left = set(leases._leases)
+        for lease_id, lease in before.items():
+            if lease_id not in left:  # reaped: released or, if not, expired
+                self._event("unlease", lease=KEY_FORMAT.format(lease_id), blocks=list(lease.blocks),
+                            why="released" if lease.released else "expired")
+
+    def _pull_started(self, pending: Any, prompt_ids: list[int], params: dict) -> None:
+        number = self._pulls[id(pending)] = self._pull_count
+        self._pull_count += 1
+        self._event("pull", pull=number, lease=KEY_FORMAT.format(params["remote_request_id"]),
+                    blocks=[*pending.hits, *pending.fresh], hits=len(pending.hits), tokens=len(prompt_ids))
+
+    def _pull_ended(self, pending: Any, outcome: str) -> None:
+        number = self._pulls.pop(id(pending), None)
+        if number is None:  # started before recording did: the header's ref counts cannot explain it either
+            return
+        self._event("pulled", pull=number, blocks=[*pending.hits, *pending.fresh], hits=len(pending.hits),
+                    outcome=outcome, **({"error": pending.error} if pending.error else {}))
 
     def _aborting(self, seqs: list[Any]) -> None:
         live = [s for s in seqs if s.status.value != "finished"]
@@ -178,6 +268,8 @@ class PoolRecorder:
         if self.events:
             self._end("between")  # work done between steps: a server's abort (a table change without an event
             # would show in the next step's record, as its tables are diffed at its end)
+        if self.stamp is not None:
+            self._at = self.stamp()  # the step's record: when it began
 
     def _end(self, kind: str) -> None:
         for seq in live_sequences(self.engine):
@@ -185,7 +277,9 @@ class PoolRecorder:
         self.steps += kind == "step"
         record = {"kind": kind, "step": getattr(self.engine, "clock", self.steps), "plan": self.plan,
                   "events": self.events, **self._diff()}
-        self.events, self.plan = [], []
+        if self.stamp is not None:
+            record["at"] = self._at if self._at is not None else self.stamp()
+        self.events, self.plan, self._at = [], [], None
         self._write(record)
 
     def _changed(self) -> bool:
@@ -293,13 +387,14 @@ class _ModelProxy:
 
 
 @contextmanager
-def record_engine(engine: Any, path: str | Path | None, lesson: str = "") -> Iterator[PoolRecorder | None]:
+def record_engine(engine: Any, path: str | Path | None, lesson: str = "",
+                  stamp: Callable[[], float] | None = None) -> Iterator[PoolRecorder | None]:
     """Record `engine` into `path` for the duration (None: record nothing, run as is)."""
     if path is None:
         yield None
         return
     with open(path, "w") as out:
-        recorder = PoolRecorder(engine, out, lesson)
+        recorder = PoolRecorder(engine, out, lesson, stamp)
         try:
             yield recorder
         finally:
