@@ -516,6 +516,8 @@ def serve_part(args, s: Settings, console: Console) -> dict:
                                   ratio(r["output_tok_s"], base["output_tok_s"])] for r in results]))
     for r in results:
         console.print(f"  {r['setup']}: {r['note']}", highlight=False)
+    console.print("  the load column is the 1-minute load average as the window started and ended: it counts this "
+                  "benchmark's own processes too (the client, and the server or P, D and the proxy)", highlight=False)
     failed = [(r["setup"], r["failed"]) for r in results if r["failed"]]
     for label, errors in failed:
         console.print(f"[red]{label}: {len(errors)} request(s) failed[/]; the first: {errors[0]}")
