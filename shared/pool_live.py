@@ -73,6 +73,7 @@ class LivePool:
     def page(self, live_url: str) -> str:
         h = self.header or {}
         data = {"title": "live pool", "lesson": h.get("lesson", ""), "engine": h.get("engine", ""),
+                "kv_role": h.get("kv_role", ""),
                 "num_blocks": h.get("num_blocks", 0), "block_size": h.get("block_size", 0),
                 "ref_counted": h.get("ref_counted", False), "host_blocks": h.get("host_blocks", 0),
                 "pinned": h.get("pinned", []), "seqs": {}, "pieces": {}, "frames": [], "live": live_url}

@@ -5,6 +5,11 @@ The page draws frames; it never replays anything itself. Each frame is the repla
 cached and unreferenced, the prefix cache's keys, each request's status and lengths, and the step's events in
 words. The HTML, CSS and script are in `pool_viewer.html` beside this file; the data goes into it as JSON.
 No network, no build step: open the file.
+
+L15 has two pools, the prefill engine's and the decode engine's: `render_panes` puts one such page per trace side
+by side (`pool_panes.html`, each page in an iframe with its own slider), and when every record carries "at"
+(pool_trace.py stamps L15's) one more slider above them steps both together in the order things happened.
+A frame of L15's also lists the holders that are not tables: P's leases, D's pulls in flight.
 """
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ from pathlib import Path
 from shared.pool_replay import PoolState
 
 TEMPLATE = Path(__file__).with_name("pool_viewer.html")
+PANES_TEMPLATE = Path(__file__).with_name("pool_panes.html")
 DATA_MARK = "/*POOL_DATA*/null"
+ROLES = {"kv_producer": "prefill engine P", "kv_consumer": "decode engine D"}  # L15's, for titles
 
 
 def frame_of(state: PoolState, record: dict | None, words: list[str]) -> dict:
@@ -30,7 +37,7 @@ def frame_of(state: PoolState, record: dict | None, words: list[str]) -> dict:
             touched["cow"].append(e["dst"])
         elif op in ("evict", "register"):
             touched[op].append(e["block"])
-    return {
+    frame = {
         "step": record["step"] if record else 0,
         "kind": record["kind"] if record else "start",
         "plan": record["plan"] if record else [],
@@ -44,6 +51,9 @@ def frame_of(state: PoolState, record: dict | None, words: list[str]) -> dict:
                    for i, s in state.seqs.items() if s.status != "finished" or str(i) in (record or {}).get("seqs", {})},
         "touched": touched,
     }
+    if state.leases is not None or state.pulls:  # L15: the blocks' holders that are not tables
+        frame["holders"] = state.holders()
+    return frame
 
 
 def page_data(trace: list[dict], title: str = "", pieces: dict[int, str] | None = None) -> dict:
@@ -54,9 +64,13 @@ def page_data(trace: list[dict], title: str = "", pieces: dict[int, str] | None 
     for record in trace[1:]:
         words = state.apply(record)
         frames.append(frame_of(state, record, words))
+    for frame, record in zip(frames, trace):
+        if "at" in record:  # L15: when it happened, to step two engines' pages together
+            frame["at"] = record["at"]
+    role = ROLES.get(header.get("kv_role", ""))
     return {
-        "title": title or f"{header['lesson'].upper()} pool",
-        "lesson": header["lesson"], "engine": header["engine"],
+        "title": title or f"{header['lesson'].upper()} pool" + (f", {role}" if role else ""),
+        "lesson": header["lesson"], "engine": header["engine"], "kv_role": header.get("kv_role", ""),
         "num_blocks": header["num_blocks"], "block_size": header["block_size"],
         "ref_counted": header["ref_counted"], "host_blocks": header["host_blocks"], "pinned": header["pinned"],
         "seqs": {str(i): {"prompt": s.prompt, "ids": s.ids} for i, s in state.seqs.items()},
@@ -71,4 +85,18 @@ def render(data: dict) -> str:
     html = TEMPLATE.read_text()
     if DATA_MARK not in html:
         raise RuntimeError(f"{TEMPLATE} has lost its data mark {DATA_MARK!r}")
+    return html.replace(DATA_MARK, blob)
+
+
+def render_panes(pages: list[dict], title: str = "") -> str:
+    """Several pages side by side (L15: P's and D's), each whole in its own iframe; a slider over all of them when
+    every frame carries "at". The pages go in as JSON strings with every `<` escaped: each page holds `<script>`
+    and `<!--`, which inside the outer script element could change how HTML reads it, not only `</`."""
+    panes = [{"title": data["title"], "html": render(data), "at": [f.get("at") for f in data["frames"]]}
+             for data in pages]
+    data = {"title": title or " · ".join(d["title"] for d in pages), "panes": panes}
+    blob = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
+    html = PANES_TEMPLATE.read_text()
+    if DATA_MARK not in html:
+        raise RuntimeError(f"{PANES_TEMPLATE} has lost its data mark {DATA_MARK!r}")
     return html.replace(DATA_MARK, blob)

@@ -93,6 +93,7 @@ class PoolState:
         self.record += 1
         before = {i: SeqInfo(**vars(s)) for i, s in self.seqs.items()}
         old_tables = {i: list(t) for i, t in self.tables.items()}
+        old_holders = self.holders()
         for event in record["events"]:
             getattr(self, "_" + event["op"])(event)
         for i, blocks in record["tables"].items():
@@ -105,7 +106,7 @@ class PoolState:
             s.ids.extend(info["ids"])
         if check:
             self.check()
-        return self.words(record, before, old_tables)
+        return self.words(record, before, old_tables, old_holders)
 
     def forget_finished(self) -> None:
         """Drop the finished requests' records (a server's replay would otherwise grow with every request)."""
@@ -209,7 +210,8 @@ class PoolState:
 
     # --- words ---
 
-    def words(self, record: dict, before: dict[int, SeqInfo], old_tables: dict[int, list[int]]) -> list[str]:
+    def words(self, record: dict, before: dict[int, SeqInfo], old_tables: dict[int, list[int]],
+              old_holders: dict[str, list[int]] | None = None) -> list[str]:
         out = []
         S = self.block_size
         for p in record["plan"]:
@@ -247,6 +249,11 @@ class PoolState:
                            + (f", then + {new[len(old):]}" if len(new) > len(old) else ""))
             else:
                 out.append(f"request {i}'s table is now {new}")
+        for name, blocks in self.holders().items():  # L15: holders that outlive a record
+            if name in (old_holders or {}):
+                still = ("kept for the decode engine, not released yet" if name.startswith("lease")
+                         else "held by no table, its pages in flight, not yet in the prefix cache")
+                out.append(f"{name} still holds blocks {blocks}: {still}")
         return out
 
     @staticmethod
