@@ -4,6 +4,8 @@
     python scripts/pool_viewer.py --lesson l5 --policy swap    # preemption by swapping to host memory
     python scripts/pool_viewer.py --lesson l11 --out spec.html # speculative decoding: drafts kept, rolled back
     python scripts/pool_viewer.py --trace run.jsonl            # a trace a smoke or serve.py wrote (--trace)
+    python scripts/pool_viewer.py --lesson l15                 # disaggregation: P's and D's pools side by side
+    python scripts/pool_viewer.py --trace p.jsonl --trace d.jsonl  # two traces (L15's servers' --trace), two pools
 
 Open the page from disk: no server, no network. It shows the pool as a grid of blocks coloured by the
 request holding them (a shared block carries its reference count), each request's block table, the prefix
@@ -16,11 +18,26 @@ arrive --stagger steps apart, the fourth with a long prompt (from L8 on it is pr
 sampled n = 2 ways (from L6 on: a fork and its copy-on-write); from L9 on one is aborted; L11's drafts come
 from the target's own continuation with some made wrong, so some are kept and some rolled back. The pool is
 small enough that L5 on has to preempt.
+
+L15 runs two engines in this process, a prefill engine P and a decode engine D, each with --num-blocks blocks, in
+pair.py's flow, one request at a time at its arrival step on D's clock: P prefills it (one token) and leases its
+full blocks; D takes blocks for the pull, steps once while the pages would travel (its server's split: start,
+pull on another thread, finish), then pulls the blocks its prefix cache lacks over the loopback socket, files
+them there and admits the request, which hits them. The later requests share the first's system prompt, so D
+pulls only their own blocks: it hits what it pulled before. P frees each lease D released when it steps for the
+next request. The page shows both pools side by side, each page whole with its own slider, and one slider above
+both that steps them together in the order things happened; the leases and pulls are in each pool's words and
+in its "Leases and pulls" (the blocks: amber for a lease, teal for a pull in flight). On D's 20 blocks a pulled
+request that waits for room can lose its pulled blocks to eviction and compute them again: the page shows that
+too. Several --trace files are drawn side by side the same way (stepped together when every record carries a
+time: pool_trace.py stamps L15's, so two servers' --trace files step together in wall-clock order).
 """
 from __future__ import annotations
 
+import itertools
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,19 +47,22 @@ import torch  # noqa: E402
 from shared.cli import OneLineParser, resolve_model_dir  # noqa: E402
 from shared.errors import CourseError  # noqa: E402
 from shared.generation import StopRule  # noqa: E402
-from shared.pool_page import page_data, render  # noqa: E402
+from shared.pool_page import page_data, render, render_panes  # noqa: E402
 from shared.pool_replay import ReplayError  # noqa: E402
 from shared.pool_trace import read_trace, record_engine  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
 
-LESSONS = ("l2", "l3", "l4", "l5", "l6", "l7", "l8", "l9", "l11", "l12", "l13", "l14")  # L10: a smoke's --trace
+LESSONS = ("l2", "l3", "l4", "l5", "l6", "l7", "l8", "l9", "l11", "l12", "l13", "l14", "l15")  # L10: a smoke's --trace
+PAIRED = ("l15",)  # two engines (prefill and decode), two traces, one page with both pools
 
 
 def parser() -> OneLineParser:
     p = OneLineParser(prog="pool_viewer.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--lesson", default="l6", help=f"whose engine runs: {', '.join(LESSONS)} (default: l6)")
-    p.add_argument("--trace", help="read this trace (JSON lines) instead of running a workload")
-    p.add_argument("--save-trace", help="also write the run's trace here")
+    p.add_argument("--trace", action="append", help="read this trace (JSON lines) instead of running a workload; "
+                   "give it again for pools side by side (L15: P's trace, then D's)")
+    p.add_argument("--save-trace", action="append", help="also write the run's trace here (--lesson l15: twice, "
+                   "P's trace then D's)")
     p.add_argument("--out", default="pool.html", help="the page to write (default: pool.html)")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--num-blocks", type=int, default=20)
@@ -70,6 +90,8 @@ def build(lesson: str, model, args):
     """The lesson's engine, set up to show its idea on this workload (L8 on: a 16-token budget, so long prompts
     are sliced; L11 on: drafts replayed from the target's own continuation, about 30% of them wrong)."""
     S, N = args.block_size, args.num_blocks
+    if lesson in PAIRED:
+        raise CourseError(f"--lesson {lesson} runs two engines: build_pair and record_pair run it")
     if lesson == "l2":
         from lessons.l2_token_flat import L2Engine
         return L2Engine(model, S, N)
@@ -149,6 +171,68 @@ def run(engine, lesson: str, work: list[tuple[list[int], StopRule]], args) -> No
             victim = None
 
 
+def build_pair(model, args):
+    """L15's prefill engine P and decode engine D, each a pool of --num-blocks blocks."""
+    from lessons.l15_disaggregated import L15Engine
+
+    S, N = args.block_size, args.num_blocks
+    return (L15Engine(model, S, N, graphs=False, kv_role="kv_producer"),
+            L15Engine(model, S, N, graphs=False, kv_role="kv_consumer"))
+
+
+def run_pair(prefill, decode, work: list[tuple[list[int], StopRule]], args, settle_s: float = 5.0) -> None:
+    """pair.py's flow, one request at a time at its arrival step on D's clock, with D's load in its server's three
+    calls so that the page shows a pull in flight: P prefills the request (one token) and leases its blocks; D
+    takes blocks for the pull (consumer.start), steps once while the pages would travel, then pulls, files them
+    and admits the request, which hits them; one request is sampled n = 2 ways (D forks from the hit). A pull D has
+    no room for waits for D's next step (its server answers 503 and the client retries). P frees released leases
+    as it steps for the next request (L15Engine.step), and at the end steps once more and waits (at most
+    settle_s) for the last releases."""
+    from lessons.l4_continuous.sampling import SamplingParams
+    from lessons.l15_disaggregated.connector import NoRoom
+    from lessons.l15_disaggregated.pair import prefill_remote
+
+    k, params, pulling = 0, None, None
+    while k < len(work) or decode.scheduler.has_work() or pulling:
+        if pulling is None and k < len(work) and args.stagger * k <= decode.clock:
+            prompt, stop = work[k]
+            params = params or prefill_remote(prefill, [prompt], stop)[0]
+            try:
+                pulling = (work[k], decode.consumer.start(prompt, params))
+                k, params = k + 1, None
+            except NoRoom:
+                if not decode.scheduler.has_work():
+                    raise
+        if pulling is None and not decode.scheduler.has_work():
+            decode.clock += 1  # idle until the next arrival
+            continue
+        decode.step()  # with a pull in flight: its blocks are held by no table, not yet in D's prefix cache
+        if pulling is not None:
+            (prompt, stop), pending = pulling
+            decode.consumer.pull(pending)  # a server does this on a worker thread while its engine steps
+            decode.consumer.finish(pending)
+            sampling, n = (SamplingParams(0.8, seed=args.seed), 2) if k == 2 else (SamplingParams(), 1)
+            decode.add_parallel(prompt, stop, sampling, n)
+            pulling = None
+    prefill.step()  # as if P had a next request: it frees the last lease D released (a record after the lease's)
+    deadline = time.monotonic() + settle_s
+    while len(prefill.producer.leases) and time.monotonic() < deadline:  # a release not in yet: P's server thread
+        time.sleep(0.01)
+        prefill.producer.reap()
+
+
+def record_pair(model, args, paths: list[str]) -> None:
+    """Run L15's workload with P recorded into paths[0], D into paths[1]. Both recorders take one counter as their
+    stamp: the records interleave exactly as they happened, and the page steps both pools in that order."""
+    prefill, decode = build_pair(model, args)
+    stamp = itertools.count().__next__
+    try:
+        with record_engine(prefill, paths[0], "l15", stamp), record_engine(decode, paths[1], "l15", stamp):
+            run_pair(prefill, decode, workload(model.config.vocab_size, args), args)
+    finally:
+        prefill.close()
+
+
 def token_pieces(trace: list[dict], model_dir: Path) -> dict[int, str]:
     """The text of every token id the trace holds, for the page's hover (empty when there is no tokenizer)."""
     from shared.tokenizer import load_tokenizer
@@ -165,11 +249,17 @@ def main() -> None:
     p = parser()
     args = p.parse_args()
     lesson = args.lesson.lower()
-    if args.trace is None and lesson == "l10":
+    given, saves = args.trace or [], args.save_trace or []
+    if not given and lesson == "l10":
         p.error("--lesson l10 runs over several processes: record it with python scripts/l10_smoke.py --trace FILE, "
                 "then pass --trace FILE here")
-    if args.trace is None and lesson not in LESSONS:
+    if not given and lesson not in LESSONS:
         p.error(f"--lesson {args.lesson}: use one of {', '.join(LESSONS)} (L1 has no blocks)")
+    if not given and lesson in PAIRED and len(saves) not in (0, 2):
+        p.error(f"--save-trace: --lesson {lesson} records two engines: give it twice (P's trace, then D's), "
+                f"not {len(saves)} time(s)")
+    if not given and lesson not in PAIRED and len(saves) > 1:
+        p.error(f"--save-trace: --lesson {lesson} records one engine: give it once, not {len(saves)} times")
     if args.policy not in ("recompute", "swap") or (args.policy == "swap" and lesson != "l5"):
         p.error(f"--policy {args.policy}: use recompute, or swap with --lesson l5 (L6 on refuse swap)")
     for name in ("requests", "num_blocks", "block_size"):
@@ -179,35 +269,50 @@ def main() -> None:
         p.error(f"--stagger must be at least 0, got {args.stagger}")
     try:
         model_dir = resolve_model_dir(args.model, default_model_dir)
-        if args.trace is not None:
-            try:
-                trace = read_trace(args.trace)
-            except (OSError, ValueError) as e:
-                raise CourseError(f"--trace {args.trace}: {e}") from None
-            if not trace or trace[0].get("kind") != "header":
-                raise CourseError(f"--trace {args.trace}: not a pool trace (its first line is no header)")
+        if given:
+            names, traces = [f"--trace {path}" for path in given], [load_trace(path) for path in given]
         else:
             from shared.model import Qwen3ForCausalLM
             model = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, torch.device("cpu"))
-            engine = build(lesson, model, args)
-            work = workload(model.config.vocab_size, args)
-            save = args.save_trace or str(Path(args.out).with_suffix(".jsonl"))
-            with record_engine(engine, save, lesson):
-                run(engine, lesson, work, args)
-            trace = read_trace(save)
-            if args.save_trace is None:
-                Path(save).unlink()
-        try:
-            data = page_data(trace, pieces=token_pieces(trace, model_dir))
-        except (ReplayError, KeyError, TypeError, IndexError) as e:  # a trace cut short, edited or not a trace
-            raise CourseError(f"--trace {args.trace}: not a pool trace this replay can follow ({type(e).__name__}: "
-                              f"{e})") from None
+            out = Path(args.out)
+            paths = saves or ([str(out.with_suffix(f".{role}.jsonl")) for role in ("prefill", "decode")]
+                              if lesson in PAIRED else [str(out.with_suffix(".jsonl"))])
+            try:
+                if lesson in PAIRED:
+                    record_pair(model, args, paths)
+                else:
+                    engine = build(lesson, model, args)
+                    with record_engine(engine, paths[0], lesson):
+                        run(engine, lesson, workload(model.config.vocab_size, args), args)
+                names, traces = ["the run's trace"] * len(paths), [read_trace(path) for path in paths]
+            finally:
+                for path in paths if not saves else []:  # ours, not asked for: gone, even after an error
+                    Path(path).unlink(missing_ok=True)
+        pages = []
+        for name, trace in zip(names, traces):
+            try:
+                pages.append(page_data(trace, pieces=token_pieces(trace, model_dir)))
+            except (ReplayError, KeyError, TypeError, IndexError) as e:  # a trace cut short, edited or not a trace
+                raise CourseError(f"{name}: not a pool trace this replay can follow ({type(e).__name__}: "
+                                  f"{e})") from None
     except CourseError as e:
         p.error(str(e))
-    Path(args.out).write_text(render(data))
-    frames = data["frames"]
-    print(f"{args.out}: {data['title']}, {len(frames) - 1} records, {data['num_blocks']} blocks of "
-          f"{data['block_size']}, {len(data['seqs'])} requests; open it in a browser (no server needed)")
+    Path(args.out).write_text(render(pages[0]) if len(pages) == 1 else render_panes(pages))
+    said = [f"{d['title']}, {len(d['frames']) - 1} records, {d['num_blocks']} blocks of {d['block_size']}, "
+            f"{len(d['seqs'])} requests" for d in pages]
+    together = all("at" in f for d in pages for f in d["frames"])
+    side = "" if len(pages) == 1 else f" (side by side{', stepping together in wall order' if together else ''})"
+    print(f"{args.out}: {' | '.join(said)}{side}; open it in a browser (no server needed)")
+
+
+def load_trace(path: str) -> list[dict]:
+    try:
+        trace = read_trace(path)
+    except (OSError, ValueError) as e:
+        raise CourseError(f"--trace {path}: {e}") from None
+    if not trace or trace[0].get("kind") != "header":
+        raise CourseError(f"--trace {path}: not a pool trace (its first line is no header)")
+    return trace
 
 
 if __name__ == "__main__":

@@ -3,9 +3,14 @@ D's pulls hold blocks that no block table holds; the trace names them (lease / u
 the replay counts them as holders, so after every record the replayed pool equals the engine's (tests/
 test_pool_trace.py's CheckedTrace: free list, ref counts, cache, tables, and P's leases). Cases: pair.py's flow in
 two waves (the second hits what D pulled in the first), a pull in flight across D's steps (and one abandoned), a
-failed pull under policy recompute and under fail, and a lease that expires by a fake clock."""
+failed pull under policy recompute and under fail, a lease that expires by a fake clock, and the servers' own flow
+(server.py's engine loops in process: a pull held at a gate while D steps, a lease reaped while P idles). Then the
+viewer: pool_viewer.py --lesson l15 and --trace twice write one page with both pools (tests/test_pool_viewer.py
+opens it in a browser)."""
 from __future__ import annotations
 
+import asyncio
+import io
 import itertools
 import json
 import time
@@ -16,9 +21,11 @@ from lessons.l4_continuous.sampling import SamplingParams
 from lessons.l15_disaggregated import L15Engine
 from lessons.l15_disaggregated.connector import TransferFailed, transferable
 from lessons.l15_disaggregated.pair import prefill_remote, run_disaggregated
+from shared.config import Qwen3Config
 from shared.generation import StopRule
 from shared.pool_replay import ReplayError, replay
 from shared.pool_trace import PoolRecorder
+from test_l3_cpp_backend import needs_kernel
 from test_pool_trace import CheckedTrace, all_returned
 
 S, N = 4, 32  # block size, pool size: prompts of a dozen tokens fill a few blocks
@@ -149,6 +156,7 @@ def test_a_pull_in_flight_holds_its_blocks_across_steps(pairs, prompt_ids):
     assert not any(e["op"] == "pulled" for e in held["events"]), "the first step ran with the pull in flight"
     text = "\n".join(words(d_trace))
     assert f"pull 1 abandoned (its client left): blocks {gone.hits + gone.fresh} freed" in text, text
+    assert f"pull 0 still holds blocks {pending.hits + pending.fresh}: held by no table" in text, text
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -232,3 +240,101 @@ def test_recording_off_leaves_the_connectors_as_they_were(tiny_model):
         assert [dict(vars(o)) for o in objects] == before
     finally:
         p.close()
+
+
+def test_the_viewer_draws_both_pools_from_a_run_or_from_two_traces(tmp_path, capsys):
+    """pool_viewer.py --lesson l15 records P and D (each trace replays and checks), writes one page with both pools
+    and a slider over both; --trace twice draws the saved traces the same way. (tests/test_pool_viewer.py opens
+    such a page in a browser.)"""
+    from shared.pool_page import DATA_MARK, PANES_TEMPLATE
+    from shared.pool_trace import read_trace
+    from test_bad_input import run_script
+
+    page, p_path, d_path = tmp_path / "l15.html", tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    code, out, err = run_script("pool_viewer.py", ["--lesson", "l15", "--out", str(page), "--save-trace", str(p_path),
+                                                   "--save-trace", str(d_path), "--requests", "4"], capsys)
+    assert code == 0 and "prefill engine P" in out and "decode engine D" in out and "in wall order" in out, err
+    p_trace, d_trace = read_trace(p_path), read_trace(d_path)
+    assert replay(p_trace) and replay(d_trace)
+    assert len(events(p_trace, "lease")) == len(events(d_trace, "pulled")) == 4
+    assert [e["hits"] for e in events(d_trace, "pull")][1:] == [3, 3, 3], "the later prompts hit the system prompt"
+    html = page.read_text()
+    assert DATA_MARK not in html and html.count("<iframe") == 0 and "<script" not in html.split("const DATA = ")[1]
+    again = tmp_path / "again.html"
+    code, out, err = run_script("pool_viewer.py", ["--trace", str(p_path), "--trace", str(d_path), "--out",
+                                                   str(again)], capsys)
+    assert code == 0 and again.read_text() == html, err
+    assert PANES_TEMPLATE.read_text().count(DATA_MARK) == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lesson", "l15", "--save-trace", "p.jsonl"], "--lesson l15 records two engines: give it twice"),
+    (["--lesson", "l6", "--save-trace", "a", "--save-trace", "b"], "--lesson l6 records one engine: give it once"),
+    (["--trace", "{tmp}/p.jsonl", "--trace", "{tmp}/bad.jsonl"], "--trace {tmp}/bad.jsonl: not a pool trace (its"),
+])
+def test_the_viewer_refuses_bad_pairs_in_one_line(argv, says, tmp_path, capsys):
+    from test_bad_input import run_script
+
+    (tmp_path / "bad.jsonl").write_text('{"kind": "step"}\n')
+    (tmp_path / "p.jsonl").write_text(json.dumps({"kind": "header"}) + "\n")
+    code, _, err = run_script("pool_viewer.py", [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2 and err.count("\n") == 1 and says.replace("{tmp}", str(tmp_path)) in err, err
+
+
+class Collected(CheckedTrace):
+    """CheckedTrace for an engine thread: a mismatch is kept for the test to report, not raised in the server."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.problems: list[str] = []
+
+    def write(self, line: str) -> int:
+        try:
+            return super().write(line)
+        except (AssertionError, ReplayError) as e:
+            self.problems.append(str(e))
+            return io.StringIO.write(self, line)
+
+
+@needs_kernel  # L14's mode, as test_l15_serving.py runs the servers
+def test_the_servers_flow_replays_a_pull_held_in_flight_and_a_lease_reaped_while_idle(tiny_model, tokenizer,
+                                                                                     tiny_dir):
+    """P's and D's servers (server.py's engine loops, in process) recorded as serve.py --trace records them, with no
+    stamp given: the connectors are found and watched; D's pull is started on its engine thread, held at a gate
+    while D serves another request, filled by a worker and finished on the engine thread; a lease nobody pulls
+    expires while P idles. Every record of both traces checks against its engine."""
+    from test_l15_serving import BASE_HELD, TIMEOUT, Gate, body, idle, lease, proxy_for, running, serve, until
+
+    setup = (tiny_model, tokenizer, Qwen3Config.from_dir(tiny_dir))
+    p, d = serve(setup, "kv_producer", lease_s=3.0), serve(setup, "kv_consumer")  # long enough for the gated pull
+    outs = [Collected(p.engine), Collected(d.engine)]
+    recorders = [PoolRecorder(p.engine, outs[0], "l15"), PoolRecorder(d.engine, outs[1], "l15")]
+    first, held, other = list(range(1000, 1040)), list(range(2000, 2040)), list(range(3000, 3010))
+
+    async def main():
+        async with running(p, d) as (p_client, d_client):
+            proxy = proxy_for(p, d)
+            assert (await proxy.post("/v1/completions", json=body(first, 3))).status_code == 200
+            await proxy.aclose()
+            gate = Gate(p.engine.producer.server.address)
+            pulling = asyncio.create_task(d_client.post("/v1/completions", json=body(
+                held, 3, kv_transfer_params=gate.via(await lease(p_client, body(held))))))
+            await asyncio.to_thread(gate.accepted.wait, TIMEOUT)  # D took the blocks; the pages wait at the gate
+            assert (await d_client.post("/v1/completions", json=body(other, 4))).status_code == 200  # D steps
+            gate.opened.set()
+            assert (await asyncio.wait_for(pulling, TIMEOUT)).status_code == 200
+            gate.close()
+            await lease(p_client, body(other))  # nobody pulls it: it expires while P idles
+            await until(lambda: p.held == BASE_HELD and not len(p.engine.producer.leases), "the lease expired")
+            await idle(p, d)
+
+    asyncio.run(main())
+    for r in recorders:
+        r.close()
+    assert outs[0].problems == [] and outs[1].problems == []
+    p_trace, d_trace = trace_of(outs[0]), trace_of(outs[1])
+    assert all(isinstance(r.get("at"), float) for r in p_trace + d_trace), "L15's records carry the wall time"
+    assert sorted(e["why"] for e in events(p_trace, "unlease")) == ["expired", "released", "released"]
+    assert [e["outcome"] for e in events(d_trace, "pulled")] == ["filed", "filed"]
+    fed = [set(state.pulls) for record, state, _ in replay(d_trace) if record["plan"]]
+    assert {1} in fed, "D stepped (its other request) with the gated pull holding its blocks"

@@ -1,8 +1,10 @@
 """The pool viewer's page in a real browser (headless Chromium through Selenium and Debian's chromedriver): for every
 lesson whose run has blocks, the page opened from a file shows, at chosen steps, each request's block table and
 the grid's owners exactly as the replay has them; the console stays clean; play, pause, the slider, the keys,
-a click on a request and a hover work. Skipped, with one line, where Chromium, chromedriver or Selenium is absent
-(CI installs them: `apt-get install chromium chromium-driver`, `pip install -e ".[browser]"`)."""
+a click on a request and a hover work; L15's page shows P's and D's pools side by side, stepping together in wall
+order, each pane as its replay has it (leases and pulls included). Skipped, with one line, where Chromium,
+chromedriver or Selenium is absent (CI installs them: `apt-get install chromium chromium-driver`,
+`pip install -e ".[browser]"`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from pool_viewer import LESSONS, build, run, token_pieces, workload  # noqa: E402
+from pool_viewer import LESSONS, PAIRED, build, run, token_pieces, workload  # noqa: E402
 from shared.pool_page import page_data, render  # noqa: E402
 from shared.pool_replay import replay  # noqa: E402
 from shared.pool_trace import PoolRecorder, read_trace  # noqa: E402
@@ -27,6 +29,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+SINGLE = tuple(lesson for lesson in LESSONS if lesson not in PAIRED)  # one engine, one pool: the fixture's runs
 if CHROMIUM is None or DRIVER is None:
     pytest.skip("Chromium or chromedriver is absent: apt-get install chromium chromium-driver", allow_module_level=True)
 
@@ -51,7 +54,7 @@ def pages(tmp_path_factory, tiny_model, tiny_dir):
     out = tmp_path_factory.mktemp("pages")
     args = argparse.Namespace(block_size=4, num_blocks=24, requests=5, stagger=1, seed=2, policy="recompute")
     made = {}
-    for lesson in LESSONS:
+    for lesson in SINGLE:
         engine = build(lesson, tiny_model, args)
         checked = CheckedTrace(engine)  # and the replay equals the engine after every record, as in test_pool_trace
         recorder = PoolRecorder(engine, checked, lesson)
@@ -95,7 +98,7 @@ def shown(driver) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
 
 
 @pytest.mark.slow  # every lesson's run on the embedded model, then the browser: about a minute
-@pytest.mark.parametrize("lesson", LESSONS)
+@pytest.mark.parametrize("lesson", SINGLE)
 def test_the_page_shows_what_the_replay_rebuilt(lesson, pages, browser):
     html, trace = pages[lesson]
     frames = replay(trace)
@@ -111,6 +114,59 @@ def test_the_page_shows_what_the_replay_rebuilt(lesson, pages, browser):
             for b in blocks:
                 want.setdefault(b, []).append(seq)
         assert owners == {b: sorted(set(s)) for b, s in want.items()}, f"{lesson} frame {at}: the grid's owners"
+    assert errors(browser) == []
+
+
+@pytest.mark.slow  # L15's run (two engines) on the embedded model, then the browser
+def test_l15s_page_steps_both_pools_together(browser, tmp_path):
+    """pool_viewer.py --lesson l15: two panes, P's and D's pages; the slider above them walks every record of both in
+    wall order ("at"), and at each position each pane shows its last record not after it: the rows' tables, the
+    grid's owners and the leases and pulls exactly as the replay has them."""
+    import subprocess
+
+    page, paths = tmp_path / "l15.html", [tmp_path / "p.jsonl", tmp_path / "d.jsonl"]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "pool_viewer.py"), "--lesson", "l15", "--out", str(page),
+                        "--save-trace", str(paths[0]), "--save-trace", str(paths[1])],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    traces = [read_trace(path) for path in paths]
+    states = [[trace[0], *[state for _, state, _ in replay(trace)]] for trace in traces]  # [0]: the header
+    order = sorted((record["at"], j, i) for j, trace in enumerate(traces) for i, record in enumerate(trace))
+    load(browser, page.as_uri())
+    deadline = time.monotonic() + 20
+    while not browser.execute_script("return !!(window.poolPanes && window.poolPanes.ready)"):
+        assert time.monotonic() < deadline, "the panes never loaded"
+        time.sleep(0.2)
+    assert browser.execute_script("return window.poolPanes.count") == len(order)
+    held = [k for k, (_, j, i) in enumerate(order) if i and states[j][i].holders()]
+    assert held, "no record shows a lease or a pull held"
+    for k in sorted({1, len(order) // 2, len(order) - 1, *held[:3]}):
+        browser.execute_script("window.poolPanes.show(arguments[0])", k)
+        want = [max([0] + [i for t, jj, i in order[:k + 1] if jj == j]) for j in range(2)]
+        assert browser.execute_script("return window.poolPanes.frames()") == want, f"position {k}"
+        for j, frame in enumerate(browser.find_elements(By.TAG_NAME, "iframe")):
+            browser.switch_to.frame(frame)
+            try:
+                tables, owners = shown(browser)
+                holders = browser.execute_script("""
+                    const out = {};
+                    for (const row of document.querySelectorAll('#holders .table-row')) {
+                      const blocks = [...row.querySelectorAll('.entry')].map(e => +e.dataset.block);
+                      out[row.querySelector('.who').textContent] = blocks;
+                    }
+                    return out;""")
+            finally:
+                browser.switch_to.default_content()
+            state = states[j][want[j]]
+            if want[j] == 0:  # the header: the pool when recording began (empty here)
+                assert tables == {} and holders == {}, f"position {k}, pane {j}"
+                continue
+            assert tables == state.tables and holders == state.holders(), f"position {k}, pane {j}"
+            mine: dict[int, list[int]] = {}
+            for seq, blocks in sorted(state.tables.items()):
+                for b in blocks:
+                    mine.setdefault(b, []).append(seq)
+            assert owners == {b: sorted(set(s)) for b, s in mine.items()}, f"position {k}, pane {j}: the grid"
     assert errors(browser) == []
 
 
