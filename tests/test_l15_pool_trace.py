@@ -13,6 +13,7 @@ import asyncio
 import io
 import itertools
 import json
+import re
 import time
 
 import pytest
@@ -264,7 +265,9 @@ def test_the_viewer_draws_both_pools_from_a_run_or_from_two_traces(tmp_path, cap
     code, out, err = run_script("pool_viewer.py", ["--trace", str(p_path), "--trace", str(d_path), "--out",
                                                    str(again)], capsys)
     assert code == 0 and again.read_text() == html, err
-    assert PANES_TEMPLATE.read_text().count(DATA_MARK) == 1
+    panes = PANES_TEMPLATE.read_text()  # self-contained as the one-pool page: no address, nothing loaded
+    assert panes.count(DATA_MARK) == 1
+    assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/|\bsrc\s*=|@import|url\(", panes, re.I)
 
 
 @pytest.mark.parametrize("argv, says", [
