@@ -342,7 +342,8 @@ def build(args) -> tuple[Server, socket.socket]:
         live = LivePool(decode=lambda token: tokenizer.decode([token]))
         outs.append(live)
     if outs:  # attached before the engine thread starts: every step is recorded, from the first
-        PoolRecorder(engine, outs[0] if len(outs) == 1 else Tee(*outs), "l14" if args.tp == 1 else "l13")
+        lesson = "l15" if kv_role else "l14" if args.tp == 1 else "l13"
+        PoolRecorder(engine, outs[0] if len(outs) == 1 else Tee(*outs), lesson)
     kv_line = ""
     if args.kv_dtype != "auto":
         kv_line = f" · kv-dtype {args.kv_dtype} · kv-blocks {engine.allocator.num_blocks}"
