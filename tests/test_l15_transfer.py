@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ from lessons.l15_disaggregated.connector import (
     NoRoom,
     TransferFailed,
     cached_prefix,
-    check_params,
     transferable,
 )
 from lessons.l15_disaggregated.fingerprint import fingerprint
@@ -80,6 +80,16 @@ def decoded(d: L15Engine, prompt: list[int], params: dict):
     return seq.output_ids, loaded
 
 
+def settled(p: L15Engine, timeout_s: float = 5.0) -> None:
+    """P steps until its page server has taken D's release (it arrives on the server's thread) and the lease's
+    blocks are freed; at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    p.step()
+    while len(p.producer.leases) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        p.step()
+
+
 @pytest.fixture
 def pair(tiny_model):
     made = []
@@ -110,7 +120,7 @@ def test_a_block_moves_every_layer_k_and_v_bit_for_bit(tiny_model, kv_dtype):
     assert len(block_payload(a.runner.pool, 3)) == layout.block_bytes
 
 
-@pytest.mark.task("L15.1")
+@pytest.mark.task("L15.2")
 def test_the_fingerprint_tells_apart_mode_pool_dtype_block_size_and_weights(tiny_model, other_checkpoints):
     from shared.model import Qwen3ForCausalLM
 
@@ -128,7 +138,7 @@ def header(kind: int, length: int, count: int = 0, magic: int = MAGIC) -> bytes:
     return HEADER.pack(magic, kind, length, count)
 
 
-@pytest.mark.task("L15.1")
+@pytest.mark.task("L15.2")
 @pytest.mark.parametrize("raw,expect,message", [
     (header(0, 16, magic=0x1234), ("pull",), "bad magic"),
     (header(9, 16), ("pull",), "kind 9"),
@@ -141,11 +151,15 @@ def test_a_header_is_refused_before_its_payload_is_read(raw, expect, message):
     with a, b:
         b.settimeout(2)
         a.sendall(raw)  # no payload follows: a receive that tried to read it would time out, not raise Malformed
-        with pytest.raises(Malformed, match=message):
-            receive(b, expect, 16)
+        try:
+            with pytest.raises(Malformed, match=message):
+                receive(b, expect, 16)
+        except TimeoutError:
+            pytest.fail(f"receive waited for the payload of a header it must refuse ({message}): check the magic, "
+                        "the kind and the length before reading a byte of the payload")
 
 
-@pytest.mark.task("L15.1")
+@pytest.mark.task("L15.2")
 def test_a_layout_differing_in_any_field_or_announcing_other_counts_is_refused(tiny_model):
     mine = PageLayout.of(L14Engine(tiny_model, S, 8).runner.pool, 7)
     payload = struct.pack("<6q", *layout_ints(mine))
@@ -161,7 +175,7 @@ def test_a_layout_differing_in_any_field_or_announcing_other_counts_is_refused(t
         check_layout(payload[:40], 3, mine, 3)
 
 
-@pytest.mark.task("L15.2")
+@pytest.mark.task("L15.3")
 def test_cached_prefix_walks_the_chain_and_stops_at_the_first_miss(tiny_model):
     engine = L14Engine(tiny_model, S, 64)
     prompt = list(range(10, 24))  # 14 tokens: 3 full blocks, 3 transferable
@@ -173,7 +187,7 @@ def test_cached_prefix_walks_the_chain_and_stops_at_the_first_miss(tiny_model):
     assert cached_prefix(engine, changed, 3)[0] == blocks[:1]
 
 
-@pytest.mark.task("L15.3")
+@pytest.mark.task("L15.4")
 def test_a_lease_is_read_until_released_or_expired_and_freed_only_when_nobody_reads():
     now = [0.0]
     leases = Leases(30.0, clock=lambda: now[0])
@@ -188,7 +202,7 @@ def test_a_lease_is_read_until_released_or_expired_and_freed_only_when_nobody_re
     assert not leases.release(12345), "an unknown lease is no lease"
 
 
-@pytest.mark.task("L15.3")
+@pytest.mark.task("L15.4")
 def test_p_leases_a_finished_prompts_blocks_and_frees_them_once_released(pair, prompt_ids):
     p, _ = pair()
     before = p.allocator.num_free
@@ -203,7 +217,7 @@ def test_p_leases_a_finished_prompts_blocks_and_frees_them_once_released(pair, p
     assert idle_problems(p) == []
 
 
-@pytest.mark.task("L15.4")
+@pytest.mark.task("L15.5")
 def test_the_page_server_refuses_an_unknown_lease_in_one_message(pair):
     p, _ = pair()
     with socket.create_connection(p.producer.server.address, timeout=5) as conn:
@@ -212,7 +226,7 @@ def test_the_page_server_refuses_an_unknown_lease_in_one_message(pair):
     assert kind == "refused" and b"no such lease" in reason
 
 
-@pytest.mark.task("L15.5")
+@pytest.mark.task("L15.6")
 def test_d_pulls_only_the_blocks_its_cache_lacks(pair, prompt_ids, hf):
     p, d = pair()
     prompt = prompt_ids[0] + prompt_ids[1] + prompt_ids[0]  # 14 tokens: 3 blocks travel
@@ -230,7 +244,7 @@ def test_d_pulls_only_the_blocks_its_cache_lacks(pair, prompt_ids, hf):
     assert idle_problems(p) == [] and idle_problems(d) == []
 
 
-@pytest.mark.task("L15.5")
+@pytest.mark.task("L15.6")
 def test_no_room_on_d_is_backpressure_with_nothing_changed(pair, prompt_ids):
     p, d = pair(num_blocks=6)  # 6 usable (L7's dummy block is a seventh)
     prompt = prompt_ids[0] * 3  # 15 tokens: 3 blocks travel
@@ -244,6 +258,53 @@ def test_no_room_on_d_is_backpressure_with_nothing_changed(pair, prompt_ids):
     while d.scheduler.has_work():
         d.step()
     assert d.consumer.load(prompt, params).pulled == 3  # room again: the same params still pull (the lease holds)
+
+
+@pytest.mark.task("L15.6")
+def test_blocks_in_flight_enter_ds_cache_only_once_their_pages_have_landed(pair, prompt_ids):
+    """start takes the blocks, pull fills them (on any thread), finish files them: a request admitted between start
+    and finish (the server's engine thread goes on stepping) must not hit a block whose pages are not there yet."""
+    p, d = pair()
+    prompt = prompt_ids[0] + prompt_ids[1] + prompt_ids[0]  # 14 tokens: 3 blocks travel
+    want = transferable(len(prompt), S)
+    pending = d.consumer.start(prompt, leased(p, prompt))
+    assert cached_prefix(d, prompt, want)[0] == [], (
+        "a block taken for the pull is in D's prefix cache before its pages came: a request admitted now would "
+        "attend to whatever the block held before")
+    d.consumer.pull(pending)
+    assert not pending.error and cached_prefix(d, prompt, want)[0] == [], (
+        "the pull filed its blocks itself: filing is finish's, on the engine thread that owns the cache")
+    loaded = d.consumer.finish(pending)
+    assert loaded.pulled == want and cached_prefix(d, prompt, want)[0] == pending.fresh, (
+        f"after finish D's cache must hold the {want} pulled blocks in the prompt's chain: {loaded}")
+    settled(p)
+    assert idle_problems(p) == [] and idle_problems(d) == []
+
+
+@pytest.mark.task("L15.6")
+def test_d_holds_its_own_hits_before_it_allocates_so_a_full_pool_evicts_none(pair, prompt_ids, hf):
+    """D's pool has no free block, only cached ones, its own two hits the least recently used: the block the pull
+    needs must be another cached block's. Allocating before taking the hits would evict a hit, break the prompt's
+    chain in D's cache and pull pages the request's admission can no longer reach."""
+    p, d = pair(num_blocks=6)  # 6 usable (L7's dummy block is a seventh)
+    prompt = prompt_ids[0] + prompt_ids[1] + prompt_ids[0]  # 14 tokens: 3 blocks travel
+    want = transferable(len(prompt), S)
+    d.generate_batch([prompt[:2 * S + 1]], StopRule(1))  # the prompt's first 2 blocks cached: the oldest in the LRU
+    d.generate_batch([list(range(60, 60 + S + 1))], StopRule(1))  # one more cached block, newer
+    d.add_request(list(range(40, 40 + 3 * S - 1)), StopRule(2))  # 11 tokens: holds the 3 free blocks
+    d.step()
+    assert d.allocator.num_free == 3 and not d.allocator._free, "the setup: no free block, 3 cached ones"
+    loaded = d.consumer.load(prompt, leased(p, prompt))
+    assert (loaded.hits, loaded.pulled) == (2, want - 2), loaded
+    assert len(cached_prefix(d, prompt, want)[0]) == want, (
+        "D evicted a block it had just hit to make room for the pull: its cache no longer holds the prompt's "
+        "chain, and the admission recomputes what was pulled (share the hits before allocating)")
+    tokens = d.add_request(prompt, STOP)
+    while d.scheduler.has_work():
+        d.step()
+    assert tokens.output_ids == hf.generate(prompt, STOP).tokens
+    settled(p)
+    assert idle_problems(p) == [] and idle_problems(d) == []
 
 
 def refusing_server(send_blocks: int, layout: PageLayout | None) -> tuple[tuple[str, int], threading.Thread]:
@@ -267,7 +328,7 @@ def refusing_server(send_blocks: int, layout: PageLayout | None) -> tuple[tuple[
     return listener.getsockname()[:2], thread
 
 
-@pytest.mark.task("L15.5")
+@pytest.mark.task("L15.6")
 @pytest.mark.parametrize("how", ["p gone", "hangs up mid-transfer", "other engine", "lease expired"])
 def test_a_failed_pull_recomputes_or_fails_and_leaks_nothing(tiny_model, prompt_ids, hf, how):
     prompt = prompt_ids[0] * 2
@@ -301,7 +362,7 @@ def test_a_failed_pull_recomputes_or_fails_and_leaks_nothing(tiny_model, prompt_
         p.close()
 
 
-@pytest.mark.task("L15.5")
+@pytest.mark.task("L15.6")
 @pytest.mark.parametrize("params,message", [
     (None, "do_remote_prefill"),
     ({"do_remote_prefill": True, "remote_block_ids": "1,2"}, "list of block ids"),
@@ -310,13 +371,20 @@ def test_a_failed_pull_recomputes_or_fails_and_leaks_nothing(tiny_model, prompt_
     ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_request_id": "7"}, "remote_request_id"),
     ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_request_id": 7, "remote_host": "h",
       "remote_port": True}, "remote_port"),
+    ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_request_id": 1 << 63, "remote_host": "h",
+      "remote_port": 80}, "no lease P gives"),
+    ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_request_id": 7, "remote_host": "h",
+      "remote_port": 70000}, "not a TCP port"),
 ])
-def test_kv_transfer_params_are_checked_field_by_field(params, message):
+def test_kv_transfer_params_are_checked_field_by_field_before_a_block_is_taken(tiny_model, params, message):
+    d = L15Engine(tiny_model, S, 8, kv_role="kv_consumer")
+    free = d.allocator.num_free
     with pytest.raises(CourseError, match=message):
-        check_params(params, 3)
+        d.consumer.start(list(range(10, 23)), params)  # 13 tokens: at most 3 full blocks travel
+    assert d.allocator.num_free == free, "D took blocks for a pull whose kv_transfer_params it then refused"
 
 
-@pytest.mark.task("L15.6")
+@pytest.mark.task("L15.7")
 def test_the_roles_are_refused_where_they_do_not_belong(tiny_model):
     with pytest.raises(CourseError, match="unknown kv_role 'kv_prefill'"):
         L15Engine(tiny_model, S, kv_role="kv_prefill")

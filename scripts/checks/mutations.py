@@ -73,6 +73,9 @@ L13_SPEC_SERVER = f"{L13_SERVER}::test_speculation_with_rejected_drafts_gives_th
 # the engine's own check first (seconds); the server's ngram drafts second (two servers to start)
 L13_REPLAY = ("tests/test_l13_interactions.py::test_replayed_drafts_with_rejections_give_the_tokens_without_drafts"
               "[2-greedy]", L13_SPEC_SERVER)
+L15C = "lessons/l15_disaggregated/connector.py"
+L15T = "tests/test_l15_transfer.py"
+L15_FAILED_PULL = (f"{L15T}::test_a_failed_pull_recomputes_or_fails_and_leaks_nothing",)
 L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
 
 MUTATIONS: list[Mutation] = [
@@ -643,4 +646,50 @@ MUTATIONS: list[Mutation] = [
              "                for j, row in enumerate(copy):  # every row of the group\n"
              "                    self.rows.setdefault(seq.seq_id, {}).setdefault(len(seq.output_ids) + j, row)\n",
              ("tests/test_l14_tasks.py::test_the_record_keeps_the_row_each_output_token_was_chosen_from",)),
+    Mutation("l15-register-before-pull", "L15 disaggregation", "D files the blocks it took for a pull in its prefix "
+             "cache at once, before their pages have landed: a request admitted meanwhile, or any request after a "
+             "failed pull, hits blocks holding stale K/V (docs/l15_disaggregated.md, pitfalls)", L15C,
+             "        return PendingLoad(list(prompt_ids), params, keys, hits, manager.alloc(want))",
+             "        pending = PendingLoad(list(prompt_ids), params, keys, hits, manager.alloc(want))\n"
+             "        self._register(pending)  # filed now: the request's admission will hit them\n"
+             "        return pending",
+             (f"{L15T}::test_blocks_in_flight_enter_ds_cache_only_once_their_pages_have_landed", *L15_FAILED_PULL)),
+    Mutation("l15-register-on-failure", "L15 disaggregation", "D files the pulled blocks whether or not the pull "
+             "completed: after a prefill engine dies mid-transfer, zeros or half a prompt's pages sit in D's cache "
+             "under the prompt's keys (docs/l15_disaggregated.md, pitfalls)", L15C,
+             "        manager = self.engine.allocator\n        if pending.error:\n",
+             "        manager = self.engine.allocator\n        self._register(pending)  # whatever came\n"
+             "        if pending.error:\n",
+             L15_FAILED_PULL),
+    Mutation("l15-alloc-before-sharing-hits", "L15 disaggregation", "D allocates the pull's blocks before it takes its "
+             "own hits: with no free block left, alloc evicts a hit, the prompt's chain breaks in D's cache and the "
+             "admission recomputes what was pulled (docs/l15_disaggregated.md, pitfalls)", L15C,
+             "        manager.share(hits)  # first: alloc below must not evict the blocks just hit\n"
+             "        return PendingLoad(list(prompt_ids), params, keys, hits, manager.alloc(want))",
+             "        fresh = manager.alloc(want)\n        manager.share(hits)\n"
+             "        return PendingLoad(list(prompt_ids), params, keys, hits, fresh)",
+             (f"{L15T}::test_d_holds_its_own_hits_before_it_allocates_so_a_full_pool_evicts_none",)),
+    Mutation("l15-lease-freed-under-reader", "L15 disaggregation", "P frees a released or expired lease's blocks while "
+             "a pull is still reading them: a new prefill can write those blocks mid-send, and D files another "
+             "prompt's K/V (docs/l15_disaggregated.md, pitfalls)", L15C,
+             "if (lease.released or lease.deadline <= now) and lease.readers == 0:",
+             "if lease.released or lease.deadline <= now:",
+             (f"{L15T}::test_a_lease_is_read_until_released_or_expired_and_freed_only_when_nobody_reads",)),
+    Mutation("l15-read-before-length-check", "L15 disaggregation", "receive reads a message's payload before checking "
+             "its header's length: a corrupt or hostile header announcing a terabyte makes D wait for (and buffer) "
+             "bytes it must refuse (docs/l15_disaggregated.md, pitfalls)", "lessons/l15_disaggregated/transfer.py",
+             "    name = KINDS[kind]\n    limit = MAX_TEXT if name == \"refused\" else most\n",
+             "    name = KINDS[kind]\n    payload = read_exact(sock, length)\n"
+             "    limit = MAX_TEXT if name == \"refused\" else most\n",
+             (f"{L15T}::test_a_header_is_refused_before_its_payload_is_read",),
+             more=(("lessons/l15_disaggregated/transfer.py", "    return name, read_exact(sock, length), count",
+                    "    return name, payload, count"),)),
+    Mutation("l15-ex-fingerprint-no-mode", "L15 disaggregation", "the fingerprint leaves out L14's mode: a decode "
+             "engine in the mode files pages a default-mode prefill engine rounded its own way, and is no longer "
+             "bitwise a colocated engine (docs/l15_disaggregated.md, exercise)",
+             "lessons/l15_disaggregated/fingerprint.py",
+             "    h.update(f\"{pool.k[0].dtype} {engine.block_size} "
+             "{getattr(engine, 'batch_invariant', False)}\".encode())",
+             "    h.update(f\"{pool.k[0].dtype} {engine.block_size}\".encode())",
+             (f"{L15T}::test_the_fingerprint_tells_apart_mode_pool_dtype_block_size_and_weights",)),
 ]
