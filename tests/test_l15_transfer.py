@@ -384,15 +384,18 @@ def test_kv_transfer_params_are_checked_field_by_field_before_a_block_is_taken(t
     assert d.allocator.num_free == free, "D took blocks for a pull whose kv_transfer_params it then refused"
 
 
-@pytest.mark.task("L15.7")
-def test_the_roles_are_refused_where_they_do_not_belong(tiny_model):
+def test_an_unknown_role_and_a_lease_asked_of_a_colocated_engine_are_refused(tiny_model):
+    """The engine's setup and request_finished, which no task stubs: outside the build track's tasks."""
     with pytest.raises(CourseError, match="unknown kv_role 'kv_prefill'"):
         L15Engine(tiny_model, S, kv_role="kv_prefill")
-    both = L15Engine(tiny_model, S)
     with pytest.raises(CourseError, match="prefill engine's"):
-        both.request_finished(None)
+        L15Engine(tiny_model, S).request_finished(None)
+
+
+@pytest.mark.task("L15.7")
+def test_add_remote_is_refused_where_it_does_not_belong_or_cannot_fit(tiny_model):
     with pytest.raises(CourseError, match="decode engine's"):
-        both.add_remote([1, 2], STOP, {})
+        L15Engine(tiny_model, S).add_remote([1, 2], STOP, {})
     d = L15Engine(tiny_model, S, 6, kv_role="kv_consumer")
     with pytest.raises(CourseError, match="needs 9 blocks of 4 tokens; the whole pool has 6"):
         d.add_remote(list(range(30)), STOP, {})  # never fits: refused before any pull
