@@ -211,6 +211,7 @@ class KvServer:
                     c.leases.end_read(lease_id)
                 _, payload, _ = receive(conn, ("release",), 8)
                 c.leases.release(ints(payload, 1, "release")[0])
+                send(conn, "release", payload, 1)  # the answer: released before D's pull returns; P's next step frees
             except (OSError, ConnectionError, Malformed):
                 return  # D went away or sent nonsense: the lease stays until D pulls again or it expires
 
@@ -296,6 +297,7 @@ class DecodeConnector:
                     write_block(pool, block, data)
                     pending.bytes += len(data)
                 send_ints(conn, "release", [params["remote_request_id"]])
+                receive(conn, ("release",), 8)  # P's answer: the lease is marked released
         except (OSError, ConnectionError, Malformed) as e:
             if pending.fresh:
                 pending.error = str(e) or type(e).__name__

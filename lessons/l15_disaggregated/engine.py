@@ -47,7 +47,8 @@ class L15Engine(L14Engine):
     # Task L15.7: the flow: P prefills (one token) and leases; D pulls what it lacks, then decodes as after a cache hit
     def add_remote(self, prompt_ids: list[int], stop: StopRule, kv_transfer_params: dict,
                    sampling: SamplingParams = SamplingParams(), n: int = 1) -> tuple[list[SharedSequence], LoadResult]:
-        """D: pull the prompt's blocks from P, then add the request (its n sequences) as add_parallel does."""
+        """D: pull the prompt's blocks from P, then add the request (its n sequences) as add_parallel does. Bad input
+        (a token outside the vocabulary, a request the whole pool could never hold) is refused before any pull."""
         if self.consumer is None:
             raise CourseError("add_remote is the decode engine's (kv_role kv_consumer)")
         self.check_request(prompt_ids, stop, sampling)  # bad input is refused before a block is taken

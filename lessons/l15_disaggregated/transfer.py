@@ -7,7 +7,7 @@ int64s, [MAGIC, kind, length, count], then `length` bytes:
   P -> D  layout   LAYOUT int64s: the pages' shape and dtype, and the engine's fingerprint; count = blocks to come
   P -> D  block    one block, every layer's K then V rows as they lie in the pool (int8 rows carry their scale)
   P -> D  refused  UTF-8, why (no such lease, it expired); the connection ends
-  D -> P  release  1 int64: the lease; P frees its blocks
+  D -> P  release  1 int64: the lease; P frees its blocks, and answers with the same message once it is marked
 
 Nothing is unpickled: a header is four integers, a payload integers or raw page bytes. And nothing is allocated
 on the say-so of a header: D checks the layout against its own pool (the same layers, block size, heads, row
