@@ -131,7 +131,10 @@ L8_BLOCK_TABLES = {"L9", "L10"}
 # invariance checks in each dtype and prompt set.
 SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py", "L12": "tests/test_l11_invariants.py",
                   "L13": "tests/test_l11_invariants.py", "L14": "tests/test_l14_invariance.py"}
-LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS)
+# L15 runs L14's engine twice, as P and D, with the prompt's full blocks moved between them: the block tables, pool
+# and runner are L14's; a block size changes only how many blocks travel and how many tokens D recomputes, which
+# tests/test_l15_transfer.py checks at block size 4 and its 4 cells at 16 (in each, D's tokens against HF's).
+LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS) | {"L15"}
 # A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
 # verify row of up to K drafts that cross block boundaries and roll back, in each dtype (the n-gram drafter of
 # its no-argument run drafts once on the random-weight model, which .ci/run has just run).
