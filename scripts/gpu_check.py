@@ -11,7 +11,8 @@ off; L10 and L11 on two GPUs over NCCL when there are two), `scripts/benchmark/l
 cuBLAS rows against M, FlashInfer decode with and without a fixed split; L14's smoke runs with --batch-invariant off,
 its mode being the CPU's), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. L12's smoke runs with --kv-dtype auto (its int8 pages are CPU-only). L13's smoke (grammar masks on CUDA logits,
-HF generate with the same mask as the reference, then the server) runs on one GPU with each backend. Each smoke is judged like a cell of the parity matrix
+HF generate with the same mask as the reference, then the server) runs on one GPU with each backend. L15's smoke moves
+GPU pages through the host (P and D on one GPU) and checks HF parity only: its bitwise check needs L14's CPU mode. Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
 Exit 0 when nothing failed, 1 otherwise, 2 without CUDA or for bad options.
 """

@@ -65,8 +65,13 @@ def colocated(model, args, prompts, stop, **options):
     return run_recorded(engine, prompts, stop, **recorded)
 
 
-def exactness(model, setup, args) -> tuple[bool, str]:
-    """With L14's mode on every engine: D's logits against a colocated engine's, each prompt alone, bitwise."""
+def exactness(model, setup, args) -> tuple[bool, str] | None:
+    """With L14's mode on every engine: D's logits against a colocated engine's, each prompt alone, bitwise. L14's
+    mode runs on the CPU only: on a GPU this check does not apply (None), and the smoke says so."""
+    if setup.device.type != "cpu":
+        print(f"note: the bitwise check against a colocated engine needs L14's mode, which runs on the CPU, not "
+              f"{setup.device.type}: only HF parity is checked", file=sys.stderr)
+        return None
     stop = setup.stop
     preamble = setup.tokenizer.encode(PREAMBLE).ids
     prompts = [preamble + p for p in setup.prompt_ids]

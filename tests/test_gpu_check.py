@@ -45,8 +45,8 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
     for lesson in ("L7", "L8", "L9", "L10", "L11", "L12", "L13"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert {"L14 flashinfer", "L14 torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 7 * 3 + 2 == len(set(names))
+    assert {"L14 flashinfer", "L14 torch", "L15 flashinfer", "L15 torch"} <= set(names)
+    assert len(smokes) == 2 + 2 * 4 + 7 * 3 + 2 + 2 == len(set(names))
     # L14's mode runs on the CPU: on CUDA its smoke checks L13's engine's parity; the probe measures the GPU's recipe
     assert all(c.argv[c.argv.index("--batch-invariant") + 1] == "off" for c in smokes if c.name.startswith("L14"))
     # int8 pages are read by the CPU kernel only: on CUDA, L12's smoke checks HF parity in the model's dtype

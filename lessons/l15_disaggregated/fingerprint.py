@@ -18,7 +18,7 @@ def fingerprint(engine: L14Engine) -> int:
     h.update(repr(engine.model.config).encode())
     for name, p in engine.model.state_dict().items():
         h.update(f"{name} {tuple(p.shape)} {p.dtype}".encode())
-        h.update(p.detach().reshape(-1)[:64].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().reshape(-1)[:64].cpu().contiguous().view(torch.uint8).numpy().tobytes())
     pool = engine.runner.pool
     h.update(f"{pool.k[0].dtype} {engine.block_size} {getattr(engine, 'batch_invariant', False)}".encode())
     return int.from_bytes(h.digest(), "little") >> 1

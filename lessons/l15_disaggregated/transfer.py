@@ -63,7 +63,7 @@ class PageLayout:
 def block_payload(pool: BlockKvPool, block: int) -> bytes:
     """One block's pages, layer by layer, K then V: the bytes as they lie (int8 rows with their scales)."""
     rows = [t[block].contiguous().view(torch.uint8).reshape(-1) for layer in zip(pool.k, pool.v) for t in layer]
-    return torch.cat(rows).numpy().tobytes()
+    return torch.cat(rows).cpu().numpy().tobytes()  # a GPU's pages cross to the host first
 
 
 # Task L15.1: a block's bytes: every layer's K then V rows, read from and written into the pool as they lie
