@@ -150,7 +150,7 @@ inline void put(bf16* p, float v) { *p = bf16(v); }  // round to nearest even, a
 // A tile of R rows x C columns of out, each entry one dot product in the fixed order above: R and C decide
 // which dot products share a load, never how one is summed
 template <int R, int C, typename T>
-void tile(const T* x, const T* w, T* out, int64_t k, int64_t n) {
+void tile(const T* x, const T* w, T* out, int64_t k, int64_t n, int64_t) {
   using D = Dot<T>;
   typename D::Acc acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -176,11 +176,15 @@ void tile(const T* x, const T* w, T* out, int64_t k, int64_t n) {
     for (int c = 0; c < C; ++c) put(out + r * n + c, sum_lanes(acc[r][c]));
 }
 
-template <typename T>
-using TileFn = void (*)(const T*, const T*, T*, int64_t, int64_t);
+// A tile function: x's rows, w's first column (a row of w, nn.Linear's layout), out, K, N, and the bytes or
+// elements from one row of w to the next
+template <typename T, typename W>
+using TileFn = void (*)(const T*, const W*, T*, int64_t, int64_t, int64_t);
+template <typename T, typename W>
+using TileTable = TileFn<T, W>[kTile][kTile];
 
 template <typename T>
-const TileFn<T> kTiles[kTile][kTile] = {
+const TileTable<T, T> kTiles = {
     {tile<1, 1, T>, tile<1, 2, T>, tile<1, 3, T>, tile<1, 4, T>},
     {tile<2, 1, T>, tile<2, 2, T>, tile<2, 3, T>, tile<2, 4, T>},
     {tile<3, 1, T>, tile<3, 2, T>, tile<3, 3, T>, tile<3, 4, T>},
@@ -188,9 +192,11 @@ const TileFn<T> kTiles[kTile][kTile] = {
 };
 
 // out = x w^T over threads that each own whole column blocks; a column block's weights come from memory once
-// and stay in cache while every row tile (of a few rows, or of a prefill's row block) passes over them
-template <typename T>
-void matmul(const T* x, const T* w, T* out, int64_t m, int64_t k, int64_t n) {
+// and stay in cache while every row tile (of a few rows, or of a prefill's row block) passes over them.
+// `stride` is one row of w in W's units: K for dense weights, a row's blocks in bytes for quantized ones.
+template <typename T, typename W>
+void matmul(const T* x, const W* w, T* out, int64_t m, int64_t k, int64_t n, int64_t stride,
+            const TileTable<T, W>& tiles) {
   at::parallel_for(0, (n + kColBlock - 1) / kColBlock, 1, [&](int64_t first, int64_t last) {
     for (int64_t cb = first; cb < last; ++cb) {
       const int64_t c0 = cb * kColBlock, c1 = std::min(n, c0 + kColBlock);
@@ -200,11 +206,144 @@ void matmul(const T* x, const T* w, T* out, int64_t m, int64_t k, int64_t n) {
           const int cols = static_cast<int>(std::min<int64_t>(kTile, c1 - c));
           for (int64_t r = r0; r < r1; r += kTile) {
             const int rows = static_cast<int>(std::min<int64_t>(kTile, r1 - r));
-            kTiles<T>[rows - 1][cols - 1](x + r * k, w + c * k, out + r * n + c, k, n);
+            tiles[rows - 1][cols - 1](x + r * k, w + c * stride, out + r * n + c, k, n, stride);
           }
         }
       }
     }
+  });
+}
+
+// Weight blocks as GGUF stores them (llama.cpp's ggml-common.h), 32 weights each, read from the file as shipped:
+//   Q8_0: fp16 d, 32 int8 q                        (34 bytes)  w = d q
+//   Q4_1: fp16 d, fp16 m, 16 bytes of 4-bit q      (20 bytes)  w = d q + m; byte j holds q_j low, q_{j+16} high
+// A step of the dot product dequantizes its L weights in registers with exactly the arithmetic of gguf's
+// dequantize (fp16 -> fp32 exactly, the product rounded, then the sum rounded), and takes the fp32 path's
+// multiply-add in the fp32 path's k order. So a quantized matmul's every output is bitwise the fp32 matmul's over
+// the dequantized weights: the same products of the same values, summed in the same order.
+constexpr int64_t kBlock = 32;
+
+inline float half_at(const uint8_t* p) {  // an unaligned fp16, exactly as fp32
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// No fused multiply-add may join d q and + m (gguf rounds the product): the compiler may contract a vector
+// multiply and add written as intrinsics, but cannot see through an empty asm that takes the product as an operand.
+template <typename V>
+inline V rounded(V v) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __asm__("" : "+v"(v));
+#endif
+  return v;
+}
+
+using F32 = Dot<float>;
+
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  struct Scales { float d; };
+  static Scales scales(const uint8_t* b) { return {half_at(b)}; }
+  // The L weights starting at o (a multiple of L) of the block at b.
+  static F32::In load(const uint8_t* b, Scales s, int64_t o) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2) + o;
+#if defined(__AVX512F__)
+    const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    return _mm512_mul_ps(qf, _mm512_set1_ps(s.d));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+    return _mm256_mul_ps(qf, _mm256_set1_ps(s.d));
+#else
+    float buf[F32::kStep];
+    for (int64_t j = 0; j < F32::kStep; ++j) buf[j] = s.d * static_cast<float>(q[j]);
+    return F32::load(buf);
+#endif
+  }
+  static float weight(const uint8_t* b, Scales s, int64_t j) {
+    return s.d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 2)[j]);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  struct Scales { float d, m; };
+  static Scales scales(const uint8_t* b) { return {half_at(b), half_at(b + 2)}; }
+  static F32::In load(const uint8_t* b, Scales s, int64_t o) {
+    const uint8_t* q = b + 4 + o % 16;  // weights o..o+L-1: low nibbles (o < 16) or high nibbles of these bytes
+#if defined(__AVX512F__)
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i nib = o < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
+    const __m512 p = rounded(_mm512_mul_ps(_mm512_cvtepi32_ps(nib), _mm512_set1_ps(s.d)));
+    return _mm512_add_ps(p, _mm512_set1_ps(s.m));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i nib = o < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+    const __m256 p = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(s.d)));
+    return _mm256_add_ps(p, _mm256_set1_ps(s.m));
+#else
+    float buf[F32::kStep];
+    for (int64_t j = 0; j < F32::kStep; ++j) buf[j] = weight(b, s, o + j);
+    return F32::load(buf);
+#endif
+  }
+  static float weight(const uint8_t* b, Scales s, int64_t j) {
+    const uint8_t byte = b[4 + j % 16];
+    volatile float p = s.d * static_cast<float>(j < 16 ? byte & 15 : byte >> 4);  // stored: rounded before + m
+    return p + s.m;
+  }
+};
+
+// The quantized tile: blocks of each column's row in k order, each block's steps in k order: the dense tile's
+// order exactly (K is a whole number of blocks, and a block a whole number of steps, so there is no tail)
+template <int R, int C, typename F>
+void qtile(const float* x, const uint8_t* w, float* out, int64_t k, int64_t n, int64_t stride) {
+  F32::Acc acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero_acc();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* blocks[C];
+    typename F::Scales s[C];
+    for (int c = 0; c < C; ++c) {
+      blocks[c] = w + c * stride + b * F::kBytes;
+      s[c] = F::scales(blocks[c]);
+      __builtin_prefetch(blocks[c] + C * stride);  // the next tile's block: its streams start warm
+    }
+    for (int64_t o = 0; o < kBlock; o += F32::kStep) {
+      F32::In wc[C];
+      for (int c = 0; c < C; ++c) wc[c] = F::load(blocks[c], s[c], o);
+      for (int r = 0; r < R; ++r) {
+        const F32::In xr = F32::load(x + r * k + b * kBlock + o);
+        for (int c = 0; c < C; ++c) acc[r][c] = F32::madd(acc[r][c], xr, wc[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) put(out + r * n + c, sum_lanes(acc[r][c]));
+}
+
+template <typename F>
+const TileTable<float, uint8_t> kQTiles = {
+    {qtile<1, 1, F>, qtile<1, 2, F>, qtile<1, 3, F>, qtile<1, 4, F>},
+    {qtile<2, 1, F>, qtile<2, 2, F>, qtile<2, 3, F>, qtile<2, 4, F>},
+    {qtile<3, 1, F>, qtile<3, 2, F>, qtile<3, 3, F>, qtile<3, 4, F>},
+    {qtile<4, 1, F>, qtile<4, 2, F>, qtile<4, 3, F>, qtile<4, 4, F>},
+};
+
+// Every weight of `rows` rows of blocks as fp32, gguf's arithmetic (a prefill's GEMM and the embedding use it)
+template <typename F>
+void dequantize_rows(const uint8_t* w, float* out, int64_t rows, int64_t k) {
+  const int64_t stride = k / kBlock * F::kBytes;
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      for (int64_t b = 0; b < k / kBlock; ++b) {
+        const uint8_t* block = w + r * stride + b * F::kBytes;
+        const typename F::Scales s = F::scales(block);
+        for (int64_t o = 0; o < kBlock; o += F32::kStep) {
+          const F32::In v = F::load(block, s, o);
+          std::memcpy(out + r * k + b * kBlock + o, &v, sizeof v);
+        }
+      }
   });
 }
 
@@ -313,7 +452,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   at::Tensor out = at::empty(shape, x.options());
   by_dtype(x, [&](auto t) {
     using T = decltype(t);
-    matmul(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), m, k, n);
+    matmul(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), m, k, n, k, kTiles<T>);
   });
   return out;
 }
@@ -364,6 +503,56 @@ at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tens
   return out;
 }
 
+// Calls f with the block format a name selects ("q8_0" or "q4_1").
+template <typename F>
+void by_format(const std::string& format, F f) {
+  if (format == "q8_0")
+    f(Q8_0{});
+  else if (format == "q4_1")
+    f(Q4_1{});
+  else
+    TORCH_CHECK(false, "unknown block format ", format, ": q8_0 or q4_1");
+}
+
+// The row of blocks for K weights in a format, checked against the tensor holding them.
+int64_t check_blocks(const at::Tensor& w, const std::string& format, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2, "blocks must be a CPU uint8 [N, bytes]");
+  TORCH_CHECK(k > 0 && k % kBlock == 0, "K must be a positive multiple of 32, got ", k);
+  int64_t stride = 0;
+  by_format(format, [&](auto f) { stride = k / kBlock * decltype(f)::kBytes; });
+  TORCH_CHECK(w.size(1) == stride, format, " rows of ", k, " weights take ", stride, " bytes, not ", w.size(1));
+  return stride;
+}
+
+// x [..., K] fp32 and w [N, K / 32 blocks] of a format -> x w^T [..., N] fp32, each output the fp32 matmul's over
+// the dequantized weights, bit for bit.
+at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& format) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
+  const int64_t k = x_in.size(-1);
+  const int64_t stride = check_blocks(w_in, format, k);
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t n = w.size(0), m = x.numel() / k;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  by_format(format, [&](auto f) {
+    matmul(x.data_ptr<float>(), w.data_ptr<uint8_t>(), out.data_ptr<float>(), m, k, n, stride,
+           kQTiles<decltype(f)>);
+  });
+  return out;
+}
+
+// w [N, K / 32 blocks] of a format -> every weight as fp32 [N, K], gguf's dequantize bit for bit.
+at::Tensor dequantize(const at::Tensor& w_in, const std::string& format, int64_t k) {
+  check_blocks(w_in, format, k);
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor out = at::empty({w.size(0), k}, w.options().dtype(at::kFloat));
+  by_format(format, [&](auto f) {
+    dequantize_rows<decltype(f)>(w.data_ptr<uint8_t>(), out.data_ptr<float>(), w.size(0), k);
+  });
+  return out;
+}
+
 // Which code this build runs: the matmul's lanes and whether bf16 uses the CPU's bf16 dot products.
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -385,5 +574,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, "NeoX RoPE with a step's cos and signed sin", py::call_guard<py::gil_scoped_release>());
+  m.def("linear_blocks", &linear_blocks, "x w^T over GGUF weight blocks, bitwise the fp32 matmul of the dequantized weights",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &dequantize, "GGUF weight blocks -> fp32, as gguf dequantizes",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the instruction set this build's matmul uses");
 }
