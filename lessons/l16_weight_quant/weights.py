@@ -42,6 +42,12 @@ def weights_of(model: nn.Module) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.lm_head.weight.dtype, "other")
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds, a tied head's once: blocks as stored, the rest in their dtype."""
+    tensors = {t.untyped_storage().data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
+
 def twin(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
     """A copy of the module tree sharing every tensor (L14's invariant_model does the same)."""
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
