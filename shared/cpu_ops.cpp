@@ -223,10 +223,14 @@ void matmul(const T* x, const W* w, T* out, int64_t m, int64_t k, int64_t n, int
 // the dequantized weights: the same products of the same values, summed in the same order.
 constexpr int64_t kBlock = 32;
 
-inline float half_at(const uint8_t* p) {  // an unaligned fp16, exactly as fp32
+inline float half_at(const uint8_t* p) {  // an unaligned fp16, exactly as fp32 (every fp16 is an fp32)
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__) && defined(__AVX2__)  // immintrin.h is included with AVX2
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion is a dozen
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // No fused multiply-add may join d q and + m (gguf rounds the product): the compiler may contract a vector
@@ -256,42 +260,47 @@ struct Q8_0 {
     return _mm256_mul_ps(qf, _mm256_set1_ps(s.d));
 #else
     float buf[F32::kStep];
-    for (int64_t j = 0; j < F32::kStep; ++j) buf[j] = s.d * static_cast<float>(q[j]);
+    for (int64_t j = 0; j < F32::kStep; ++j) buf[j] = s.d * static_cast<float>(q[j]);  // one rounding: no FMA to fear
     return F32::load(buf);
 #endif
-  }
-  static float weight(const uint8_t* b, Scales s, int64_t j) {
-    return s.d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 2)[j]);
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
+#if defined(__AVX512F__)
+  // A block's sixteen possible weights, d q + m for q = 0..15, computed once a block: a step then looks its sixteen
+  // up by nibble (vpermps reads an index's low four bits) instead of converting, multiplying and adding them
+  struct Scales { __m512 table; };
+  static Scales scales(const uint8_t* b) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return {_mm512_add_ps(rounded(_mm512_mul_ps(q, _mm512_set1_ps(half_at(b)))), _mm512_set1_ps(half_at(b + 2)))};
+  }
+  static F32::In load(const uint8_t* b, Scales s, int64_t o) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    return _mm512_permutexvar_ps(o < 16 ? bytes : _mm512_srli_epi32(bytes, 4), s.table);  // low nibbles, then high
+  }
+#else
   struct Scales { float d, m; };
   static Scales scales(const uint8_t* b) { return {half_at(b), half_at(b + 2)}; }
   static F32::In load(const uint8_t* b, Scales s, int64_t o) {
     const uint8_t* q = b + 4 + o % 16;  // weights o..o+L-1: low nibbles (o < 16) or high nibbles of these bytes
-#if defined(__AVX512F__)
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    const __m512i nib = o < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
-    const __m512 p = rounded(_mm512_mul_ps(_mm512_cvtepi32_ps(nib), _mm512_set1_ps(s.d)));
-    return _mm512_add_ps(p, _mm512_set1_ps(s.m));
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     const __m256i nib = o < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
     const __m256 p = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(s.d)));
     return _mm256_add_ps(p, _mm256_set1_ps(s.m));
 #else
     float buf[F32::kStep];
-    for (int64_t j = 0; j < F32::kStep; ++j) buf[j] = weight(b, s, o + j);
+    for (int64_t j = 0; j < F32::kStep; ++j) {
+      const uint8_t byte = q[j];
+      volatile float p = s.d * static_cast<float>(o < 16 ? byte & 15 : byte >> 4);  // stored: rounded before + m
+      buf[j] = p + s.m;
+    }
     return F32::load(buf);
 #endif
   }
-  static float weight(const uint8_t* b, Scales s, int64_t j) {
-    const uint8_t byte = b[4 + j % 16];
-    volatile float p = s.d * static_cast<float>(j < 16 ? byte & 15 : byte >> 4);  // stored: rounded before + m
-    return p + s.m;
-  }
+#endif
 };
 
 // The quantized tile: blocks of each column's row in k order, each block's steps in k order: the dense tile's
