@@ -55,8 +55,11 @@ def _halves(x: torch.Tensor) -> torch.Tensor:
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
-    """C's roundf: halves away from zero (torch.round rounds halves to even)."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    """C's roundf: halves away from zero (torch.round rounds halves to even). Not floor(|x| + 0.5): for the float
+    just below 0.5 that sum rounds up to 1.0; the fraction, doubled, is exact (gguf's np_roundf does the same)."""
+    a = x.abs()
+    whole = torch.floor(a)
+    return torch.sign(x) * (whole + torch.floor(2 * (a - whole)))
 
 
 # Task L16.1: quantize a weight matrix into GGUF blocks and read them back, as the gguf package does
@@ -89,6 +92,9 @@ def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """uint8 blocks [N, bytes] -> fp32 [N, K]: every weight as gguf computes it (the fp16 scales widened exactly;
     d * q rounded, then + m rounded). The kernel computes the same values without writing them out."""
     f = check_format(fmt)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % f.block_bytes:
+        raise CourseError(f"{fmt} blocks are uint8 [N, a multiple of {f.block_bytes} bytes], got "
+                          f"{str(blocks.dtype).removeprefix('torch.')} {list(blocks.shape)}")
     n = blocks.shape[0]
     b = blocks.reshape(-1, f.block_bytes)
     d = b[:, 0:2].contiguous().view(torch.float16).float()  # [blocks, 1]
