@@ -31,8 +31,8 @@ from lessons.l14_batch_invariant.record import first_difference, run_recorded  #
 from lessons.l15_disaggregated import L15Engine  # noqa: E402
 from lessons.l16_weight_quant import L16Engine  # noqa: E402
 from lessons.l16_weight_quant.llamacpp_way import llamacpp_way  # noqa: E402
-from lessons.l16_weight_quant.weights import (EMBEDDING_FORMAT, QUANTIZED, WEIGHTS, dequantized_model,  # noqa: E402
-                                              gguf_model, quantized_model, weight_bytes)
+from lessons.l16_weight_quant.weights import (EMBEDDING_FORMAT, QUANTIZED, WEIGHTS, check_weights,  # noqa: E402
+                                              dequantized_model, gguf_model, quantized_model, weight_bytes)
 from l11_smoke import DEFAULT_PROMPTS  # noqa: E402  (scripts/ is on the path when a smoke runs)
 from l12_smoke import quality_tokens  # noqa: E402
 from shared.cli import resolve_model_dir, smoke_parser  # noqa: E402
@@ -69,21 +69,9 @@ def parser():
     return p
 
 
-# Task L16.5: the engine: blocks on the CPU in fp32 only, L14's mode through the block kernel for every row
 def check_weights_args(args) -> None:
-    """One line for a --weights the other options contradict, before anything loads."""
-    if args.weights in ("fp32", "bf16"):
-        implied = {"fp32": "float32", "bf16": "bfloat16"}[args.weights]
-        if args.dtype not in (None, implied):
-            raise CourseError(f"--weights {args.weights} computes in {implied}; --dtype {args.dtype} contradicts it")
-        args.dtype = implied
-        return
-    if args.dtype not in (None, "float32"):
-        raise CourseError(f"--weights {args.weights} multiplies fp32 activations (the kernel dequantizes to fp32): "
-                          f"leave --dtype out or use float32, not {args.dtype}")
-    if args.device == "cuda":
-        raise CourseError(f"--weights {args.weights} runs on the CPU (the block kernel is C++), not --device cuda")
-    args.dtype, args.device = "float32", "cpu"
+    """One line for a --weights the other options contradict, before anything loads (weights.check_weights)."""
+    args.dtype, args.device = check_weights(args.weights, args.dtype, args.device)
 
 
 def shipped(args) -> Path | None:

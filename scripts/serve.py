@@ -10,11 +10,15 @@ preemption, CUDA graphs), with FastAPI and uvicorn.
     python scripts/serve.py --batch-invariant    # L14: each request's logits bitwise the same whatever else runs
     python scripts/serve.py --kv-role kv_producer --port 8100  # L15: a prefill server (P) and a decode server (D),
     python scripts/serve.py --kv-role kv_consumer --port 8200  # joined by scripts/l15_proxy.py
+    python scripts/serve.py --weights q4_1       # L16: the matrices as 4-bit GGUF blocks, quantized at load (CPU, fp32)
+    python scripts/serve.py --model smollm2 --weights q4_1  # L16: SmolLM2's shipped Q4_1 file, its blocks as they are
 
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-qwen3-v3", "prompt": "The capital of France is", "max_tokens": 8, "stream": true}'
 
 A request with `response_format` {"type": "json_schema", ...} gets output that parses and validates.
+--weights q8_0 or q4_1 serves L16's engine on weight blocks: on the CPU, fp32 activations, one rank; every other
+option works as without it (a request's tokens are those of the fp32 model the blocks dequantize to).
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 (Prometheus). Once it answers it prints `serving MODEL at URL`. SIGINT or SIGTERM: new requests are
 refused, open requests get --shutdown-timeout seconds to finish (then a 503), and it exits 0.
@@ -59,11 +63,14 @@ from lessons.l15_disaggregated import L15Engine  # noqa: E402
 from lessons.l15_disaggregated.connector import DEFAULT_LEASE_S, POLICIES  # noqa: E402
 from lessons.l15_disaggregated.engine import KV_ROLES  # noqa: E402
 from lessons.l15_disaggregated.server import KvEngineLoop, create_kv_app  # noqa: E402
+from lessons.l16_weight_quant import L16Engine  # noqa: E402
+from lessons.l16_weight_quant.weights import QUANTIZED, WEIGHTS, check_weights, gguf_model, quantized_model  # noqa: E402
 from shared.checkpoint import tensor_shapes  # noqa: E402
 from shared.cli import HUB_ID, OneLineParser, resolve_device, resolve_dtype, resolve_model_dir  # noqa: E402
 from shared.config import Qwen3Config  # noqa: E402
 from shared.errors import CourseError, RunFailure  # noqa: E402
 from shared.model import Qwen3ForCausalLM  # noqa: E402
+from shared.named_models import NAMED, gguf_path  # noqa: E402
 from shared.pool_live import LivePool, add_routes  # noqa: E402
 from shared.pool_trace import PoolRecorder, Tee  # noqa: E402
 from shared.tiny_qwen3 import default_model_dir  # noqa: E402
@@ -127,6 +134,11 @@ def parser() -> OneLineParser:
     p.add_argument("--kv-load-failure-policy", choices=POLICIES,
                    help="L15, kv_consumer: when a pull fails, recompute the prompt or refuse the request with a 502 "
                         "(default: recompute)")
+    p.add_argument("--weights", choices=WEIGHTS,
+                   help="L16: the model's matrices: fp32 | bf16 (the checkpoint in that dtype, as --dtype) | q8_0 | "
+                        "q4_1 (GGUF weight blocks on the CPU, fp32 activations: a named model's shipped file where it "
+                        "ships that format, smollm2's q4_1, else quantized from the checkpoint at load) (default: the "
+                        "model's dtype)")
     p.add_argument("--pool-viewer", action="store_true",
                    help="also serve the KV pool, live, at /pool (read-only; a recorder follows every step)")
     p.add_argument("--trace", metavar="FILE", help="write the pool trace (JSON lines, one per step) here; "
@@ -270,6 +282,26 @@ def check_kv_role(args) -> dict:
     return {"host": args.host, "port": port, "lease_s": lease_s}
 
 
+def check_weights_options(args) -> None:
+    """L16's --weights, refused in one line when another option contradicts it; sets the dtype and device it
+    implies (blocks: fp32 on the CPU)."""
+    args.dtype, args.device = check_weights(args.weights, args.dtype, args.device)
+    if args.weights in QUANTIZED and args.tp != 1:
+        raise CourseError(f"--weights {args.weights} runs at --tp 1, not {args.tp}: the block kernel serves one "
+                          f"process's whole matrices, not a rank's slices")
+
+
+def load_model(args, model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[Qwen3ForCausalLM, str]:
+    """The single-rank model --weights asks for, and what the `engine:` line adds about it."""
+    if args.weights not in QUANTIZED:
+        return Qwen3ForCausalLM.from_dir(model_dir, dtype, device), ""
+    if args.model in NAMED and args.weights == "q4_1":  # the blocks a named model ships, no fp32 matrix made
+        gguf = gguf_path(NAMED[args.model])
+        return gguf_model(model_dir, gguf), f" · weights q4_1 ({gguf.name} as shipped)"
+    dense = Qwen3ForCausalLM.from_dir(model_dir, torch.float32, device)
+    return quantized_model(dense, args.weights), f" · weights {args.weights} (quantized at load)"
+
+
 def build(args) -> tuple[Server, socket.socket]:
     for value, name in ((args.max_waiting, "--max-waiting"), (args.default_max_tokens, "--default-max-tokens"),
                         (args.max_body_bytes, "--max-body-bytes")):
@@ -286,6 +318,7 @@ def build(args) -> tuple[Server, socket.socket]:
         raise CourseError(f"--port must be in [0, 65535], got {args.port}")
     check_speculation(args)
     connector_args = check_kv_role(args)
+    check_weights_options(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.batch_invariant and args.tp != 1:
@@ -300,8 +333,9 @@ def build(args) -> tuple[Server, socket.socket]:
     token_bytes = TokenBytes(tokenizer)
     sock = listen(args.host, args.port)  # before loading the model: a busy port is reported in a second
     drafter, spec_line = make_drafter(args, model_dir, dtype, device)  # a bad draft model fails before ranks start
+    weights_line = ""
     if args.tp == 1:
-        model = Qwen3ForCausalLM.from_dir(model_dir, dtype, device)
+        model, weights_line = load_model(args, model_dir, dtype, device)
     else:  # L10: rank 0 (this process) serves; the other ranks follow its steps
         check_tp(config, args.tp)
         model = TpQwen3ForCausalLM.load(model_dir, dtype, start(args.tp, device, args.tp_timeout))
@@ -320,6 +354,8 @@ def build(args) -> tuple[Server, socket.socket]:
     kv_role = {}  # L15: a prefill or decode engine, L14's otherwise
     if args.kv_role != "kv_both":
         engine_class, kv_role = L15Engine, dict(kv_role=args.kv_role, connector_args=connector_args)
+    if args.weights in QUANTIZED:  # L16: L15's engine (any --kv-role) with the setups blocks cannot run refused
+        engine_class = L16Engine
     try:
         engine = engine_class(model, args.block_size, args.num_blocks, args.max_running, args.backend,
                               graphs=args.graphs == "on", max_batched_tokens=args.max_batched_tokens,
@@ -355,7 +391,7 @@ def build(args) -> tuple[Server, socket.socket]:
     elif args.kv_role == "kv_consumer":
         role_line = f" · kv-role kv_consumer · kv-load-failure-policy {connector_args['policy']}"
     print(f"engine: backend {engine.runner.backend.name} · threads {torch.get_num_threads()} · device {device.type}"
-          f" · dtype {str(dtype).removeprefix('torch.')}{spec_line}{kv_line}"
+          f" · dtype {str(dtype).removeprefix('torch.')}{weights_line}{spec_line}{kv_line}"
           f"{' · batch-invariant' if args.batch_invariant else ''}{role_line}", flush=True)
     chat = ChatTemplate(model_dir)
     name = args.served_model_name or (args.model if args.model and not Path(args.model).exists() else model_dir.name)

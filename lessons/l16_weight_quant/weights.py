@@ -31,6 +31,26 @@ QUANTIZED = ("q8_0", "q4_1")
 EMBEDDING_FORMAT = {"q8_0": "q8_0", "q4_1": "q8_0"}
 
 
+# Task L16.5: the engine: blocks on the CPU in fp32 only, L14's mode through the block kernel for every row
+def check_weights(weights: str | None, dtype: str | None, device: str) -> tuple[str | None, str]:
+    """The --dtype and --device a --weights runs under (None: the model's dtype, as before), or one line naming
+    the option that contradicts it, before anything loads (the smoke's and the server's). Blocks (q8_0, q4_1, and
+    the smoke's auto) run on the CPU in fp32 whatever --device auto would pick."""
+    if weights is None:
+        return dtype, device
+    if weights in ("fp32", "bf16"):
+        implied = {"fp32": "float32", "bf16": "bfloat16"}[weights]
+        if dtype not in (None, implied):
+            raise CourseError(f"--weights {weights} computes in {implied}; --dtype {dtype} contradicts it")
+        return implied, device
+    if dtype not in (None, "float32"):
+        raise CourseError(f"--weights {weights} multiplies fp32 activations (the kernel dequantizes to fp32): "
+                          f"leave --dtype out or use float32, not {dtype}")
+    if device == "cuda":
+        raise CourseError(f"--weights {weights} runs on the CPU (the block kernel is C++), not --device cuda")
+    return "float32", "cpu"
+
+
 def is_quantized(model: nn.Module) -> bool:
     return isinstance(model.lm_head, QuantLinear)
 
