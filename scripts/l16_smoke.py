@@ -8,6 +8,7 @@ must still be bitwise the dequantized model's, and the quality contract is measu
     python scripts/l16_smoke.py --model smollm2       # the shipped Q4_1 file: bitwise the fp32 model, HF's tokens
     python scripts/l16_smoke.py --weights q8_0        # one format
     python scripts/l16_smoke.py --weights fp32        # L15's engine on the checkpoint: HF parity
+    python scripts/l16_smoke.py --weights q4_1 --parity  # HF on the dequantized weights: its tokens, bitwise logits
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from lessons.l14_batch_invariant.record import first_difference, run_recorded  #
 from lessons.l15_disaggregated import L15Engine  # noqa: E402
 from lessons.l16_weight_quant import L16Engine  # noqa: E402
 from lessons.l16_weight_quant.llamacpp_way import llamacpp_way  # noqa: E402
+from lessons.l16_weight_quant.reference import dequantized_checkpoint  # noqa: E402
 from lessons.l16_weight_quant.weights import (EMBEDDING_FORMAT, QUANTIZED, WEIGHTS, check_weights,  # noqa: E402
                                               dequantized_model, gguf_model, quantized_model, weight_bytes)
 from l11_smoke import DEFAULT_PROMPTS  # noqa: E402  (scripts/ is on the path when a smoke runs)
@@ -64,6 +66,10 @@ def parser():
     p.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
                    help="the model's matrices: fp32 | bf16 (the checkpoint in that dtype) | q8_0 | q4_1 (blocks); "
                         "auto: a named model's shipped file (smollm2: q4_1), else q8_0 and q4_1 quantized here")
+    p.add_argument("--parity", action="store_true",
+                   help="with --weights q8_0 or q4_1 quantized here: instead of the quality contract, HF's tokens on "
+                        "the dequantized weights (written once into the course cache as a checkpoint) and the logits "
+                        "bitwise that model's, as for a shipped file (the parity matrix's L16 cells)")
     p.add_argument("--quality-new-tokens", type=quality_tokens, default=QUALITY_NEW_TOKENS,
                    help=f"greedy tokens added to each prompt for the quality streams (default {QUALITY_NEW_TOKENS})")
     return p
@@ -93,6 +99,10 @@ def build_engines(model: Qwen3ForCausalLM, args):
     if gguf is not None:
         args.quantized = gguf_model(resolve_model_dir(args.model, default_model_dir), gguf)
         args.quantized_from = f"{gguf.name} as shipped"
+    elif getattr(args, "source", None) is not None:  # --parity: the harness loaded the dequantized checkpoint
+        dense = Qwen3ForCausalLM.from_dir(args.source, torch.float32, torch.device("cpu"))
+        args.quantized = quantized_model(dense, args.weights)
+        args.quantized_from = f"{args.weights} quantized here from {args.source.name}, HF on its dequantized weights"
     else:
         args.quantized = model
     L16Engine(args.quantized, **engine_options(args))  # bad options fail here, before any run
@@ -239,7 +249,14 @@ def main() -> None:
 
     def run() -> int:
         check_weights_args(args)
+        if args.parity and args.weights not in QUANTIZED:
+            raise CourseError(f"--parity needs --weights {' or '.join(QUANTIZED)} (the formats quantized here), "
+                              f"not {args.weights}")
         if args.weights in ("fp32", "bf16") or shipped(args) is not None:
+            return run_smoke("L16", args, build_engines, exactness)
+        if args.parity:  # HF, and the harness's model, read the dequantized checkpoint; L16 the blocks of the source
+            args.source = resolve_model_dir(args.model, default_model_dir)
+            args.model = str(dequantized_checkpoint(args.source, args.weights))
             return run_smoke("L16", args, build_engines, exactness)
         return run_quantized(args)
 

@@ -134,12 +134,22 @@ SWEPT_BY_TESTS = {"L11": "tests/test_l11_invariants.py", "L12": "tests/test_l11_
 # L15 runs L14's engine twice, as P and D, with the prompt's full blocks moved between them: the block tables, pool
 # and runner are L14's; a block size changes only how many blocks travel and how many tokens D recomputes, which
 # tests/test_l15_transfer.py checks at block size 4 and its 4 cells at 16 (in each, D's tokens against HF's).
-LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS) | {"L15"}
+# L16 runs L15's engine (L14's tables, pool and runner) on a model whose matrices are weight blocks: a block size
+# changes nothing the blocks touch, so its cells run at the largest one, and in fp32 only (FP32_ONLY).
+LARGEST_BLOCK_ONLY = L8_BLOCK_TABLES | set(SWEPT_BY_TESTS) | {"L15", "L16"}
+# Lessons that compute in fp32 only: L16's blocks multiply fp32 activations (its smoke refuses --dtype bfloat16).
+# Their rows have no cell in another dtype.
+FP32_ONLY = {"L16"}
 # A lesson's own options in every cell of its row. L11: the target drafting for itself, so every decode is a
 # verify row of up to K drafts that cross block boundaries and roll back, in each dtype (the n-gram drafter of
 # its no-argument run drafts once on the random-weight model, which .ci/run has just run).
 # Its cells are then no cell of a no-argument run, so --skip-no-arg-runs leaves none of them out.
-LESSON_OPTIONS = {"L11": ("--drafter", "draft"), "L12": ("--kv-dtype", "auto")}
+# L16: Q4_1 with --parity, so each cell is exact: on the embedded model, quantized here, HF runs the dequantized
+# weights (a checkpoint the smoke writes once into the course cache, lessons/l16_weight_quant/reference.py); on
+# smollm2 the shipped Q4_1 file against its converted checkpoint, which is that file dequantized. Either way the
+# cell judges L16's engine (and L15's on the dequantized model) against HF's tokens, and the logits at every output
+# position bitwise the dequantized model's (its extra check). Its no-argument run (the quality contract) .ci/run makes.
+LESSON_OPTIONS = {"L11": ("--drafter", "draft"), "L12": ("--kv-dtype", "auto"), "L16": ("--weights", "q4_1", "--parity")}
 # Cells whose every engine run another row's cell makes again, in the same dtype, prompts and block size, so
 # --skip-repeated-runs (.ci/run) leaves them out. A smoke runs its lesson's engine and the one before it
 # (shared/smoke.py: build_engines), so the row after a lesson runs that lesson's engine too: with the unicode
@@ -167,7 +177,7 @@ def grid(smokes: dict[Path, bool], dtypes: list[str], prompt_sets: list[str], bl
         sizes = [max(block_sizes)] if lesson in LARGEST_BLOCK_ONLY else block_sizes
         options = LESSON_OPTIONS.get(lesson, ()) + (("--tp", str(tp)) if tp and lesson == "L10" else ())
         for prompts in prompt_sets:
-            for dtype in dtypes:
+            for dtype in [d for d in dtypes if d == "float32"] if lesson in FP32_ONLY else dtypes:
                 for size in sizes if blocks else [None]:
                     cells.append(Cell(lesson, script, dtype, prompts, size, options, model))
     return cells
@@ -290,6 +300,10 @@ def render(console: Console, cells: list[Cell], outcomes: dict[Cell, Outcome], a
         if len(args.block_sizes) > 1:
             console.print(f"[dim]{lesson} ran at the largest block size only: {SWEPT_BY_TESTS[lesson]} sweeps its "
                           f"block sizes.[/]", soft_wrap=True)
+    for lesson in sorted({c.lesson for c in cells} & FP32_ONLY, key=lambda name: int(name[1:])):
+        if len(args.dtypes) > 1:
+            console.print(f"[dim]{lesson} computes in fp32 only: its cells in other dtypes are not run.[/]",
+                          soft_wrap=True)
     for lesson, options in sorted({(c.lesson, c.options) for c in cells if c.options}, key=lambda x: int(x[0][1:])):
         console.print(f"[dim]{lesson} ran with {' '.join(options)} in every cell.[/]", soft_wrap=True)
     if any(c.block_size is None for c in cells):
