@@ -12,7 +12,10 @@ cuBLAS rows against M, FlashInfer decode with and without a fixed split; L14's s
 its mode being the CPU's), and the FlashInfer contract tests, on the embedded
 model and, with --model, on that checkpoint too. L12's smoke runs with --kv-dtype auto (its int8 pages are CPU-only). L13's smoke (grammar masks on CUDA logits,
 HF generate with the same mask as the reference, then the server) runs on one GPU with each backend. L15's smoke moves
-GPU pages through the host (P and D on one GPU) and checks HF parity only: its bitwise check needs L14's CPU mode. Each smoke is judged like a cell of the parity matrix
+GPU pages through the host (P and D on one GPU) and checks HF parity only: its bitwise check needs L14's CPU mode. L16's
+weight blocks are the CPU's (a C++ kernel, fp32 activations): on CUDA its smoke runs --weights bf16 (L15's engine, HF
+parity) with each backend, and its blocks run once on this machine's CPU, --weights q4_1 --parity (HF's tokens on the
+dequantized weights, the logits bitwise that model's: the kernel on another CPU). Each smoke is judged like a cell of the parity matrix
 (PASS, TIE, FAIL, ERROR). The report is markdown: versions, the GPU, each check's result and time.
 Exit 0 when nothing failed, 1 otherwise, 2 without CUDA or for bad options.
 """
@@ -49,7 +52,8 @@ class Check:
 
 def smoke_options(script: Path) -> set[str]:
     help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT).stdout
-    return {opt for opt in ("--backend", "--graphs", "--tp", "--kv-dtype", "--batch-invariant") if opt in help_text}
+    return {opt for opt in ("--backend", "--graphs", "--tp", "--kv-dtype", "--batch-invariant", "--weights")
+            if opt in help_text}
 
 
 def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> list[Check]:
@@ -66,6 +70,8 @@ def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> lis
                 base += ("--kv-dtype", "auto")  # int8 pages are read on the CPU only; fp8 has its own check below
             if "--batch-invariant" in opts:  # L14's mode runs on the CPU; on CUDA its engine is L13's, and the
                 base += ("--batch-invariant", "off")  # GPU's recipe is measured by the probe below
+            if "--weights" in opts:  # L16's blocks run on the CPU only: on CUDA its engine on bf16 weights, and
+                base += ("--weights", "bf16")  # its blocks on this machine's CPU below
             variants: list[tuple[str, list[str]]] = [("", [])]
             if "--backend" in opts:
                 variants = [(" flashinfer", ["--backend", "flashinfer"]), (" torch", ["--backend", "torch"])]
@@ -74,6 +80,9 @@ def plan(model: str | None, options: dict[Path, set[str]], gpus: int = 1) -> lis
                             (" flashinfer graphs off", ["--backend", "flashinfer", "--graphs", "off"]),
                             (" torch", ["--backend", "torch"])]
             checks += [Check(lesson + suffix, label, (*base, *extra), "smoke") for suffix, extra in variants]
+            if "--weights" in opts:
+                checks.append(Check(f"{lesson} q4_1 on the CPU", label, (str(script.relative_to(ROOT)), "--json",
+                                    "--device", "cpu", "--weights", "q4_1", "--parity", *model_args), "smoke"))
         checks.append(Check("l7_bench", label, ("scripts/benchmark/l7_bench.py", "--device", "cuda", *model_args), "bench"))
         checks.append(Check("l8_bench", label, ("scripts/benchmark/l8_bench.py", "--device", "cuda", "--quick", "--no-png",
                                                 *model_args), "bench"))

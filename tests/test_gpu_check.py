@@ -26,10 +26,12 @@ def test_without_cuda_it_refuses_in_one_line_with_exit_2():
 
 def options():
     """What the smokes take, as gpu_check reads it from --help: L3 on have --backend, L7 to L13 --graphs, L10 to L12
-    --tp, L12 --kv-dtype (L13's smoke has neither: one rank, the model's own KV dtype), L14 --batch-invariant."""
+    --tp, L12 --kv-dtype (L13's smoke has neither: one rank, the model's own KV dtype), L14 --batch-invariant, L16
+    --weights."""
     def takes(n: int) -> set[str]:
         return {opt for opt, first, last in (("--backend", 3, 99), ("--graphs", 7, 13), ("--tp", 10, 12),
-                                             ("--kv-dtype", 12, 12), ("--batch-invariant", 14, 14))
+                                             ("--kv-dtype", 12, 12), ("--batch-invariant", 14, 14),
+                                             ("--weights", 16, 99))
                 if first <= n <= last}
 
     return {s: takes(int(s.name[1:].split("_")[0])) for s in discover(ROOT / "scripts")}
@@ -37,7 +39,8 @@ def options():
 
 def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_and_the_contract_tests():
     checks = plan(None, options())
-    smokes = [c for c in checks if c.kind == "smoke"]
+    cpu = [c for c in checks if c.kind == "smoke" and c.name.endswith("on the CPU")]
+    smokes = [c for c in checks if c.kind == "smoke" and c not in cpu]
     assert all(("--device", "cuda") == c.argv[2:4] and ("--dtype", "bfloat16") == c.argv[4:6] for c in smokes)
     names = [c.name for c in smokes]
     assert names[:2] == ["L1", "L2"]
@@ -45,8 +48,12 @@ def test_the_plan_covers_every_smoke_both_backends_graphs_on_and_off_the_bench_a
         assert f"{lesson} flashinfer" in names and f"{lesson} torch" in names
     for lesson in ("L7", "L8", "L9", "L10", "L11", "L12", "L13"):
         assert {f"{lesson} flashinfer graphs on", f"{lesson} flashinfer graphs off", f"{lesson} torch"} <= set(names)
-    assert {"L14 flashinfer", "L14 torch", "L15 flashinfer", "L15 torch"} <= set(names)
-    assert len(smokes) == 2 + 2 * 4 + 7 * 3 + 2 + 2 == len(set(names))
+    assert {"L14 flashinfer", "L14 torch", "L15 flashinfer", "L15 torch", "L16 flashinfer", "L16 torch"} <= set(names)
+    assert len(smokes) == 2 + 2 * 4 + 7 * 3 + 2 + 2 + 2 == len(set(names))
+    # L16's blocks are the CPU's: on CUDA its smoke runs bf16 weights; the blocks once on the CPU, exact against HF
+    assert all(c.argv[c.argv.index("--weights") + 1] == "bf16" for c in smokes if c.name.startswith("L16"))
+    assert [c.command() for c in cpu] == [
+        "python scripts/l16_smoke.py --json --device cpu --weights q4_1 --parity"]
     # L14's mode runs on the CPU: on CUDA its smoke checks L13's engine's parity; the probe measures the GPU's recipe
     assert all(c.argv[c.argv.index("--batch-invariant") + 1] == "off" for c in smokes if c.name.startswith("L14"))
     # int8 pages are read by the CPU kernel only: on CUDA, L12's smoke checks HF parity in the model's dtype
