@@ -77,6 +77,11 @@ L15C = "lessons/l15_disaggregated/connector.py"
 L15T = "tests/test_l15_transfer.py"
 L15_FAILED_PULL = (f"{L15T}::test_a_failed_pull_recomputes_or_fails_and_leaks_nothing",)
 L7_USER_SIZES = (f"{L7_COVER}::test_decode_batches_on_user_sizes_given_unsorted_with_a_duplicate",)
+L16B = "lessons/l16_weight_quant/blocks.py"
+L16BT = "tests/test_l16_blocks.py"
+L16_GGUF_BYTES = (f"{L16BT}::test_quantize_writes_ggufs_bytes_on_the_edge_blocks",
+                  f"{L16BT}::test_quantize_writes_ggufs_bytes_on_random_matrices")
+L16ET = "tests/test_l16_engine.py"
 
 MUTATIONS: list[Mutation] = [
     # --- L1: contiguous cache ---
@@ -692,4 +697,50 @@ MUTATIONS: list[Mutation] = [
              "{getattr(engine, 'batch_invariant', False)}\".encode())",
              "    h.update(f\"{pool.k[0].dtype} {engine.block_size}\".encode())",
              (f"{L15T}::test_the_fingerprint_tells_apart_mode_pool_dtype_block_size_and_weights",)),
+    # No planted FMA in Q4_1's dequantize (rounded() left out of shared/cpu_ops.cpp): GCC 12 does contract d q + m
+    # into vfmadd there (-O3 -march=native, AVX2 and AVX-512), but d q is exact in fp32 (an fp16's 11 significant bits
+    # times a 4-bit q; Q8_0's 8-bit q likewise), so the fused result is the rounded one, bit for bit, and no test can
+    # catch it: a survivor by arithmetic, not a gap in the tests.
+    Mutation("l16-interleaved-nibbles", "L16 weight quantization", "quantize packs byte j as weights 2j and 2j + 1, "
+             "the order a reader guesses: GGUF's Q4_1 puts weight j low and j + 16 high, so every file it writes is "
+             "read back scrambled by gguf, llama.cpp and the kernel (docs/l16_weight_quant.md, pitfalls)", L16B,
+             "        nibbles = q[:, :16] | (q[:, 16:] << 4)  # byte j: weight j low, weight j + 16 high",
+             "        nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # byte j: weights 2j and 2j + 1",
+             (f"{L16BT}::test_a_q4_1_block_by_hand", *L16_GGUF_BYTES)),
+    Mutation("l16-no-unpermute", "L16 weight quantization", "read_gguf keeps a Llama file's q and k rows in "
+             "llama.cpp's order: rotary embedding pairs the wrong dimensions and the model's attention is noise "
+             "(a Qwen3 file would not show it: llama.cpp permutes no Qwen3 rows) (docs/l16_weight_quant.md, pitfalls)",
+             "lessons/l16_weight_quant/gguf_file.py",
+             "            rows = unpermute_rows(rows, heads)\n",
+             "            rows = rows  # as the file holds them\n",
+             (f"{L16ET}::test_read_gguf_puts_a_llama_files_q_and_k_rows_back",)),
+    Mutation("l16-fp16-scale-rounding", "L16 weight quantization", "quantize divides by the scale after rounding it "
+             "to fp16, as it is stored: sounder-looking, but llama.cpp's reference rounds each q with the fp32 scale, "
+             "so some weights get another q than every GGUF writer gives them (docs/l16_weight_quant.md)", L16B,
+             "        d = x.abs().amax(1, keepdim=True) / 127\n",
+             "        d = (x.abs().amax(1, keepdim=True) / 127).half().float()\n",
+             L16_GGUF_BYTES,
+             more=((L16B, "        d = (hi - lo) / 15\n", "        d = ((hi - lo) / 15).half().float()\n"),)),
+    Mutation("l16-round-half-even", "L16 weight quantization", "quantize rounds Q8_0's q with torch.round (halves to "
+             "even) instead of C's roundf (halves away from zero): a weight exactly between two steps gets another "
+             "q than gguf and llama.cpp give it (docs/l16_weight_quant.md)", L16B,
+             "        q = _round_half_away(x * inv).to(torch.int8)",
+             "        q = torch.round(x * inv).to(torch.int8)",
+             (f"{L16BT}::test_a_q8_0_block_by_hand", *L16_GGUF_BYTES)),
+    Mutation("l16-prefill-through-blocks", "L16 weight quantization", "QuantLinear takes the block kernel for every "
+             "row count: a prompt of more than 16 tokens sums in the kernel's order, not torch's GEMM's, so the "
+             "logits are no longer bitwise the dequantized fp32 model's (docs/l16_weight_quant.md, pitfalls)",
+             "lessons/l16_weight_quant/quant_linear.py",
+             "        if self.every_row or x.numel() <= FEW_ROWS * self.in_features:",
+             "        if self.every_row or x.numel() > 0:  # the kernel for every row count",
+             ("tests/test_l16_kernel.py::test_quant_linear_takes_the_kernel_for_few_rows_and_torchs_gemm_beyond_bitwise"
+              "_the_fp32_linear", f"{L16ET}::test_the_engine_is_bitwise_the_dequantized_fp32_model")),
+    Mutation("l16-ex-invariant-every-row", "L16 weight quantization", "L16Engine forgets every_row in L14's mode: a "
+             "prompt's rows take torch's GEMM over the dequantized matrix, whose order depends on the row count, so a "
+             "request's logits depend on what else runs (docs/l16_weight_quant.md, exercise)",
+             "lessons/l16_weight_quant/engine.py",
+             "            for module in model.modules():\n                if isinstance(module, QuantLinear):\n"
+             "                    module.every_row = True\n",
+             "",
+             (f"{L16ET}::test_l14s_mode_is_bitwise_the_dequantized_model_in_it_and_batch_invariant",)),
 ]
