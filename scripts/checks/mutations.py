@@ -602,7 +602,10 @@ MUTATIONS: list[Mutation] = [
     Mutation("l14-ex-gemv-row", "L14 batch invariance", "a one-row fast path in the invariant matmul sums its "
              "lanes left to right instead of the tree: a row alone rounds unlike the same row in a tile "
              "(docs/l14_batch_invariant.md, exercise)", L14_OPS,
+             # the fp32 tile's store, after its tail (L16's block tile stores the same way)
+             "load_tail(w + c * k + body, k - body));\n  }\n  for (int r = 0; r < R; ++r)\n"
              "    for (int c = 0; c < C; ++c) put(out + r * n + c, sum_lanes(acc[r][c]));",
+             "load_tail(w + c * k + body, k - body));\n  }\n  for (int r = 0; r < R; ++r)\n"
              "    for (int c = 0; c < C; ++c)\n      put(out + r * n + c, R == 1 ? [](auto v) { float l[sizeof v / 4], s = 0; "
              "std::memcpy(l, &v, sizeof v); for (float f : l) s += f; return s; }(acc[r][c]) : sum_lanes(acc[r][c]));",
              ("tests/test_l14_ops.py", "-k", "linear_rows")),
