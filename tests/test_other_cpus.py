@@ -96,8 +96,10 @@ def test_the_avx2_build_of_the_attention_kernel_matches_the_oracle(haswell_cache
 def test_the_avx2_build_of_l14s_ops_keeps_its_bit_for_bit_claims(haswell_cache):
     # the __FMA__ branch: rows bitwise the same for any batch, thread count and place; RMSNorm HF's arithmetic;
     # L3's kernel bitwise the same whole, sliced, decoded and in a crowd; and the decode ops' own contract (every
-    # model's CPU matmul, norms, RoPE: accuracy against float64, rows bitwise the same at M 1..130, RoPE torch's bits)
-    run_as_haswell(haswell_cache, ["tests/test_l14_ops.py", "tests/test_cpu_ops.py"])
+    # model's CPU matmul, norms, RoPE: accuracy against float64, rows bitwise the same at M 1..130, RoPE torch's bits),
+    # and L16's block kernel (its __AVX2__ Q8_0/Q4_1 loads and F16C scales): bitwise that matmul over the dequantized
+    # weights at every row count, its dequantize the torch reference's bits
+    run_as_haswell(haswell_cache, ["tests/test_l14_ops.py", "tests/test_cpu_ops.py", "tests/test_l16_kernel.py"])
     assert_built_for_haswell(haswell_cache, cpu_ops.SOURCE)  # L14's ops are the shared decode ops
     assert_built_for_haswell(haswell_cache, cpp_backend.SOURCE)
 
