@@ -217,10 +217,11 @@ void matmul(const T* x, const W* w, T* out, int64_t m, int64_t k, int64_t n, int
 // Weight blocks as GGUF stores them (llama.cpp's ggml-common.h), 32 weights each, read from the file as shipped:
 //   Q8_0: fp16 d, 32 int8 q                        (34 bytes)  w = d q
 //   Q4_1: fp16 d, fp16 m, 16 bytes of 4-bit q      (20 bytes)  w = d q + m; byte j holds q_j low, q_{j+16} high
-// A step of the dot product dequantizes its L weights in registers with exactly the arithmetic of gguf's
-// dequantize (fp16 -> fp32 exactly, the product rounded, then the sum rounded), and takes the fp32 path's
-// multiply-add in the fp32 path's k order. So a quantized matmul's every output is bitwise the fp32 matmul's over
-// the dequantized weights: the same products of the same values, summed in the same order.
+// A step of the dot product dequantizes its L weights in registers to exactly the values gguf's dequantize writes,
+// and takes the fp32 path's multiply-add in the fp32 path's k order. So a quantized matmul's every output is bitwise
+// the fp32 matmul's over the dequantized weights: the same products of the same values, summed in the same order.
+// The values are exact for a simple reason: d q needs at most 11 + 8 significant bits (an fp16 d, a q of 4 or 8
+// bits), so fp32 holds it exactly, and d q + m rounds once, the sum, whether or not the compiler fuses the two.
 constexpr int64_t kBlock = 32;
 
 inline float half_at(const uint8_t* p) {  // an unaligned fp16, exactly as fp32 (every fp16 is an fp32)
@@ -231,16 +232,6 @@ inline float half_at(const uint8_t* p) {  // an unaligned fp16, exactly as fp32 
 #else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
-}
-
-// No fused multiply-add may join d q and + m (gguf rounds the product): the compiler may contract a vector
-// multiply and add written as intrinsics, but cannot see through an empty asm that takes the product as an operand.
-template <typename V>
-inline V rounded(V v) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __asm__("" : "+v"(v));
-#endif
-  return v;
 }
 
 using F32 = Dot<float>;
@@ -274,7 +265,7 @@ struct Q4_1 {
   struct Scales { __m512 table; };
   static Scales scales(const uint8_t* b) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return {_mm512_add_ps(rounded(_mm512_mul_ps(q, _mm512_set1_ps(half_at(b)))), _mm512_set1_ps(half_at(b + 2)))};
+    return {_mm512_add_ps(_mm512_mul_ps(q, _mm512_set1_ps(half_at(b))), _mm512_set1_ps(half_at(b + 2)))};
   }
   static F32::In load(const uint8_t* b, Scales s, int64_t o) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
@@ -288,14 +279,12 @@ struct Q4_1 {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     const __m256i nib = o < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
-    const __m256 p = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(s.d)));
-    return _mm256_add_ps(p, _mm256_set1_ps(s.m));
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(s.d)), _mm256_set1_ps(s.m));
 #else
     float buf[F32::kStep];
     for (int64_t j = 0; j < F32::kStep; ++j) {
       const uint8_t byte = q[j];
-      volatile float p = s.d * static_cast<float>(o < 16 ? byte & 15 : byte >> 4);  // stored: rounded before + m
-      buf[j] = p + s.m;
+      buf[j] = s.d * static_cast<float>(o < 16 ? byte & 15 : byte >> 4) + s.m;
     }
     return F32::load(buf);
 #endif

@@ -89,8 +89,8 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 # Task L16.1: quantize a weight matrix into GGUF blocks and read them back, as the gguf package does
 def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """uint8 blocks [N, bytes] -> fp32 [N, K]: every weight as gguf computes it (the fp16 scales widened exactly;
-    d * q rounded, then + m rounded). The kernel computes the same values without writing them out."""
+    """uint8 blocks [N, bytes] -> fp32 [N, K]: every weight as gguf computes it (the fp16 scales widened exactly,
+    d * q exact in fp32, + m rounded once). The kernel computes the same values without writing them out."""
     f = check_format(fmt)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % f.block_bytes:
         raise CourseError(f"{fmt} blocks are uint8 [N, a multiple of {f.block_bytes} bytes], got "
@@ -105,5 +105,5 @@ def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
         m = b[:, 2:4].contiguous().view(torch.float16).float()
         nib = b[:, 4:]
         q = torch.cat([nib & 15, nib >> 4], 1).float()  # low nibbles are weights 0-15, high ones 16-31
-        w = d * q + m  # torch's CPU ops round the product before the sum, as gguf's numpy does
+        w = d * q + m  # d * q is exact in fp32: only the sum rounds, as in gguf
     return w.reshape(n, -1)

@@ -700,10 +700,9 @@ MUTATIONS: list[Mutation] = [
              "{getattr(engine, 'batch_invariant', False)}\".encode())",
              "    h.update(f\"{pool.k[0].dtype} {engine.block_size}\".encode())",
              (f"{L15T}::test_the_fingerprint_tells_apart_mode_pool_dtype_block_size_and_weights",)),
-    # No planted FMA in Q4_1's dequantize (rounded() left out of shared/cpu_ops.cpp): GCC 12 does contract d q + m
-    # into vfmadd there (-O3 -march=native, AVX2 and AVX-512), but d q is exact in fp32 (an fp16's 11 significant bits
-    # times a 4-bit q; Q8_0's 8-bit q likewise), so the fused result is the rounded one, bit for bit, and no test can
-    # catch it: a survivor by arithmetic, not a gap in the tests.
+    # No planted FMA in the blocks' dequantize: d q is exact in fp32 (an fp16's 11 significant bits times a q of 4 or
+    # 8 bits), so d q + m rounds once, fused or not (GCC 12 does fuse it, -O3 -march=native), and no test can tell:
+    # nothing to plant (shared/cpu_ops.cpp says why beside the formats).
     Mutation("l16-interleaved-nibbles", "L16 weight quantization", "quantize packs byte j as weights 2j and 2j + 1, "
              "the order a reader guesses: GGUF's Q4_1 puts weight j low and j + 16 high, so every file it writes is "
              "read back scrambled by gguf, llama.cpp and the kernel (docs/l16_weight_quant.md, pitfalls)", L16B,
