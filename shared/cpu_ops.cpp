@@ -279,7 +279,7 @@ struct Q4_1 {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     const __m256i nib = o < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(s.d)), _mm256_set1_ps(s.m));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(s.d), _mm256_set1_ps(s.m));  // d q is exact
 #else
     float buf[F32::kStep];
     for (int64_t j = 0; j < F32::kStep; ++j) {
