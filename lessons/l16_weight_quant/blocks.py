@@ -54,7 +54,7 @@ def _halves(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).view(torch.uint8).view(-1, 2)
 
 
-def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
     """C's roundf: halves away from zero (torch.round rounds halves to even). Not floor(|x| + 0.5): for the float
     just below 0.5 that sum rounds up to 1.0; the fraction, doubled, is exact (gguf's np_roundf does the same)."""
     a = x.abs()
@@ -75,7 +75,7 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     if f.name == "q8_0":
         d = x.abs().amax(1, keepdim=True) / 127
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = _round_half_away(x * inv).to(torch.int8)
+        q = round_half_away(x * inv).to(torch.int8)
         out = torch.cat([_halves(d.flatten()), q.view(torch.uint8)], 1)
     else:
         lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)

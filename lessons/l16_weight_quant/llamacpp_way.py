@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lessons.l16_weight_quant.blocks import BLOCK, dequantize
+from lessons.l16_weight_quant.blocks import BLOCK, dequantize, round_half_away
 from lessons.l16_weight_quant.quant_linear import QuantLinear
 from lessons.l16_weight_quant.weights import twin
 
@@ -26,7 +26,7 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     b = x.reshape(-1, BLOCK)
     d = b.abs().amax(1, keepdim=True) / 127
     scaled = b * torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)  # C's roundf, as ggml's reference quantizer
+    q = round_half_away(scaled)  # C's roundf, as ggml's reference quantizer
     return (d.half().float() * q).reshape(x.shape)
 
 

@@ -726,7 +726,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("l16-round-half-even", "L16 weight quantization", "quantize rounds Q8_0's q with torch.round (halves to "
              "even) instead of C's roundf (halves away from zero): a weight exactly between two steps gets another "
              "q than gguf and llama.cpp give it (docs/l16_weight_quant.md)", L16B,
-             "        q = _round_half_away(x * inv).to(torch.int8)",
+             "        q = round_half_away(x * inv).to(torch.int8)",
              "        q = torch.round(x * inv).to(torch.int8)",
              (f"{L16BT}::test_a_q8_0_block_by_hand", *L16_GGUF_BYTES)),
     Mutation("l16-prefill-through-blocks", "L16 weight quantization", "QuantLinear takes the block kernel for every "
