@@ -361,7 +361,8 @@ def test_l14s_mode_is_bitwise_the_dequantized_model_in_it_and_batch_invariant(qu
     engine = L16Engine(q, 16, batch_invariant=True)
     assert engine.model is not q and not any(m.every_row for m in q.modules() if isinstance(m, QuantLinear)), (
         "the mode runs a twin: the model passed in keeps its default paths")
-    assert all(m.every_row for m in engine.model.modules() if isinstance(m, QuantLinear))
+    assert all(m.every_row for m in engine.model.modules() if isinstance(m, QuantLinear)), (
+        "L14's mode: each QuantLinear of the engine's model takes the block kernel for every row count (every_row)")
     assert engine.model.lm_head.blocks is q.lm_head.blocks, "the twin shares the blocks"
     got = run_recorded(engine, prompts, STOP)
     dense = run_recorded(L15Engine(dequantized_model(q), 16, batch_invariant=True), prompts, STOP)
