@@ -79,8 +79,9 @@ def weight_bytes(cfg: Qwen3Config, fmt: str) -> float:
 
 def stored_bytes(cfg: Qwen3Config, fmt: str) -> float:
     """The weights held in memory: what a token reads, plus an untied model's embedding (q4_1 keeps it in Q8_0)."""
-    untied = 0 if cfg.tie_word_embeddings else weight_counts(cfg)[1] * BYTES_PER_WEIGHT["q8_0" if fmt == "q4_1" else fmt]
-    return weight_bytes(cfg, fmt) + untied
+    if cfg.tie_word_embeddings:
+        return weight_bytes(cfg, fmt)
+    return weight_bytes(cfg, fmt) + weight_counts(cfg)[1] * BYTES_PER_WEIGHT["q8_0" if fmt == "q4_1" else fmt]
 
 
 def kv_bytes(cfg: Qwen3Config, fmt: str) -> int:
@@ -400,8 +401,8 @@ def print_results(console: Console, report: list[dict], args, rate: float) -> No
          "weights MiB", "RSS at load MiB", "= ours", "= ours fp32", "= HF"), table))
     console.print("  own clock: llama.cpp's time inside llama_decode alone; ours / this: ours in the same format over "
                   "this llama.cpp row; weights: the tensors held (each once); RSS at load: the process's resident "
-                  "growth over the load and a 2-token warm-up (weights, KV pool, scratch buffers); = ours / = ours fp32 / = HF: greedy tokens equal before the first difference "
-                  "(ours: in the same format; HF: transformers on the fp32 checkpoint)", highlight=False)
+                  "growth over the load and a 2-token warm-up (weights, KV pool, scratch buffers); = ours / = ours fp32 / "
+                  "= HF: greedy tokens equal before the first difference (ours: in the same format; HF: transformers on the fp32 checkpoint)", highlight=False)
     for fmt, r in ours.items():
         if fmt == "fp32":
             continue
