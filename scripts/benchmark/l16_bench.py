@@ -401,8 +401,9 @@ def print_results(console: Console, report: list[dict], args, rate: float) -> No
          "weights MiB", "RSS at load MiB", "= ours", "= ours fp32", "= HF"), table))
     console.print("  own clock: llama.cpp's time inside llama_decode alone; ours / this: ours in the same format over "
                   "this llama.cpp row; weights: the tensors held (each once); RSS at load: the process's resident "
-                  "growth over the load and a 2-token warm-up (weights, KV pool, scratch buffers); = ours / = ours fp32 / "
-                  "= HF: greedy tokens equal before the first difference (ours: in the same format; HF: transformers on the fp32 checkpoint)", highlight=False)
+                  "growth over the load and a 2-token warm-up (weights, KV pool, scratch buffers); = ours / = ours "
+                  "fp32 / = HF: greedy tokens equal before the first difference (ours: in the same format; HF: "
+                  "transformers on the fp32 checkpoint)", highlight=False)
     for fmt, r in ours.items():
         if fmt == "fp32":
             continue
