@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lessons.l16_weight_quant.blocks import BLOCK, dequantize, round_half_away
-from lessons.l16_weight_quant.quant_linear import QuantLinear
+from lessons.l16_weight_quant.blocks import BLOCK, round_half_away
 from lessons.l16_weight_quant.weights import twin
 
 
@@ -31,23 +30,22 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 class Int8ActivationLinear(nn.Module):
-    def __init__(self, linear: QuantLinear):
-        super().__init__()
-        self.linear = linear
+    """A Linear whose input is rounded to 8-bit blocks first; its weight shared."""
 
-    @property
-    def weight(self) -> torch.Tensor:  # the model's device and compute dtype, for the runner (QuantLinear.weight)
-        return self.linear.weight
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(round_activations(x), dequantize(self.linear.blocks, self.linear.fmt))
+        return F.linear(round_activations(x), self.weight)
 
 
-def llamacpp_way(model: nn.Module) -> nn.Module:
-    """A twin of a quantized model whose every matmul rounds its input to 8-bit blocks first, as llama.cpp's does."""
-    copy = twin(model)
+def llamacpp_way(dense: nn.Module) -> nn.Module:
+    """A twin of a dense model (a quantized one's dequantized_model: the same weights) whose every matmul rounds its
+    input to 8-bit blocks first, as llama.cpp's does."""
+    copy = twin(dense)
     for parent in list(copy.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear):
+            if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8ActivationLinear(child))
     return copy
