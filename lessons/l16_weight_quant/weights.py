@@ -4,8 +4,8 @@ GGUF file as shipped (SmolLM2's Q4_1 file) or quantized here from any fp32 or bf
     fp32, bf16   the checkpoint's weights in that dtype: every earlier lesson's model
     q8_0         every matrix in Q8_0
     q4_1         every matrix in Q4_1 but the token embedding (tied to the LM head), which stays Q8_0: what
-                 llama.cpp's converter writes and SmolLM2's file holds (the one matrix every token reads twice,
-                 and the vocabulary's logits, keep 8 bits)
+                 llama.cpp's quantizer writes and SmolLM2's file holds (the logits over the vocabulary, which
+                 every choice of a token rests on, keep 8 bits)
 
 Activations stay fp32 with blocks: the kernel dequantizes to fp32 and multiplies there, as the fp32 path does.
 """
