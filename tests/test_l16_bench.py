@@ -87,3 +87,25 @@ def test_smollm2s_constants_are_the_converted_checkpoints_config():
              "num_key_value_heads", "head_dim", "tie_word_embeddings", "qk_norm")  # what the ledger reads
     converted = Qwen3Config.from_dir(folder)
     assert {k: getattr(converted, k) for k in shape} == {k: getattr(l16_bench.SMOLLM2, k) for k in shape}
+
+
+def test_our_q8_0_quantizer_writes_llama_cpps_bytes_for_every_smollm2_matrix():
+    """The bench's Q8_0 file is llama.cpp's own quantizer on the F32 export; the lesson's quantize, given the same F32
+    values, writes the same bytes for every Q8_0 matrix. Runs where the bench has made both files (outside CI)."""
+    import numpy as np
+    import torch
+
+    gguf = pytest.importorskip("gguf")
+    from lessons.l16_weight_quant.blocks import quantize
+    from shared.tiny_qwen3 import cache_root
+
+    folder = cache_root() / "gguf"
+    f32, q8 = (folder / f"smollm2-135m-instruct-q4_1-v1-{kind}.gguf" for kind in ("f32", "q8_0"))
+    if not (f32.is_file() and q8.is_file()):
+        pytest.skip("made by `python scripts/benchmark/l16_bench.py` (needs the llamacpp extra and the real model)")
+    values = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
+    blocks = [t for t in gguf.GGUFReader(str(q8)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
+    assert len(blocks) > 200, f"{q8.name}: only {len(blocks)} Q8_0 matrices"
+    for t in blocks:
+        w = torch.from_numpy(np.array(values[t.name].data)).reshape(t.data.shape[0], -1)
+        assert np.array_equal(quantize(w, "q8_0").numpy(), np.asarray(t.data)), f"{t.name}: not llama.cpp's bytes"
