@@ -76,10 +76,12 @@ class Quality:
 
 
 # Task L12.6: teacher-forced: every runner over the same streams, KL(P_ref || P_test) and top-1 at every position
-def kl_rows(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
+def kl_rows(ref_logits: torch.Tensor, test_logits: torch.Tensor,
+            ref_log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """KL(P_ref || P_test) per row, in fp64 (on near-uniform distributions every KL is about 1e-6, below what
-    fp32's log-probabilities, about 12 in size, resolve): sum over the vocabulary of p_ref (log p_ref - log p_test)."""
-    log_p = torch.log_softmax(ref_logits.double(), -1)
+    fp32's log-probabilities, about 12 in size, resolve): sum over the vocabulary of p_ref (log p_ref - log p_test).
+    `ref_log_probs`: log_softmax(ref_logits) in fp64, when the caller has it (compare: once a chunk for all runners)."""
+    log_p = torch.log_softmax(ref_logits.double(), -1) if ref_log_probs is None else ref_log_probs
     return torch.log_softmax(test_logits.double(), -1).neg_().add_(log_p).mul_(log_p.exp()).sum(-1).clamp_min(0)
 
 
@@ -114,9 +116,9 @@ def compare(ref: PagedRunner, tests: dict[str, PagedRunner], streams: list[list[
         pos = 0
         chunks = zip(teacher_forced_logits(ref, stream), *(teacher_forced_logits(r, stream) for r in tests.values()))
         for a, *others in chunks:
-            top_a = a.argmax(-1)
+            top_a, log_p = a.argmax(-1), torch.log_softmax(a.double(), -1)
             for name, b in zip(tests, others):
-                kl = kl_rows(a, b)  # [rows]
+                kl = kl_rows(a, b, log_p)  # [rows]
                 top_b = b.argmax(-1)
                 agree[name].append(top_a == top_b)
                 j = int(kl.argmax())
